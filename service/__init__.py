@@ -1,0 +1,1 @@
+"""Triton-kernel prefill microservice: model, engine and HTTP API."""

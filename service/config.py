@@ -1,0 +1,142 @@
+"""Settings, read once from the environment at start-up (pydantic-settings).
+
+No prefix on purpose: Kubernetes injects `<SERVICE>_PORT`-style variables for every Service, so a
+prefix such as `PREFILL_` could collide with a Service named `prefill`. Nothing below this module
+reads the environment: it receives the frozen `EngineConfig` / `ServerConfig` built here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(Exception):
+    """An environment variable has a value the service cannot use."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", frozen=True)
+
+    mem_fraction_static: float = Field(0.85, gt=0.0, lt=1.0, description=(
+        "Fraction of the GPU memory free before the weights load that weights + CUDA graphs + "
+        "KV pool may use (SGLang's meaning); the rest is reserve for activations."))
+    model_path: str | None = Field(None, description=(
+        "HF checkpoint directory or .gguf file; default: the embedded SmolLM2-135M-Instruct."))
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_prefill_tokens: int = Field(8192, ge=16, le=1 << 20,
+                                    description="Token budget of one forward.")
+    cuda_graph_max_tokens: int = Field(8192, ge=0, le=1 << 20, description=(
+        "Largest CUDA-graph bucket (tokens); 0 disables graphs."))
+    cuda_graph_buckets: str | None = Field(None, description=(
+        "Comma-separated bucket ladder overriding the default (SGLang-like) ladder."))
+    page_size: int = Field(16, ge=1, le=256)
+    max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted.")
+    max_queue_requests: int = Field(256, ge=1, description="Prompts waiting before 429.")
+    max_batch_prompts: int = Field(256, ge=1, description="Prompts in one forward at most.")
+    api_key: str | None = Field(None, description="Bearer token required on POST endpoints.")
+    kv_cache_bytes: int = Field(256 << 20, ge=1 << 20, description=(
+        "KV pool size on CPU (no GPU memory to measure)."))
+    dp_size: int = Field(1, ge=1, le=64)
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body accepted.")
+
+    @field_validator("cuda_graph_buckets")
+    @classmethod
+    def _buckets(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        try:
+            vals = [int(x) for x in v.split(",") if x.strip()]
+        except ValueError as e:
+            raise ValueError("must be comma-separated positive integers, e.g. 16,64,256") from e
+        if not vals or any(x <= 0 for x in vals):
+            raise ValueError("must be comma-separated positive integers, e.g. 16,64,256")
+        return ",".join(str(x) for x in sorted(set(vals)))
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        name = str(e["loc"][0]).upper() if e["loc"] else "?"
+        lines.append(f"{name}={e.get('input')!r}: {e['msg']}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None
+    device: str  # "cuda" | "cpu" (resolved)
+    dtype: str  # "bfloat16" | "float16" | "float32" (resolved)
+    mem_fraction_static: float
+    max_prefill_tokens: int
+    cuda_graph_max_tokens: int
+    cuda_graph_buckets: tuple[int, ...] | None
+    page_size: int
+    max_prompt_tokens: int
+    max_queue_requests: int
+    max_batch_prompts: int
+    kv_cache_bytes: int
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str
+    port: int
+    api_key: str | None
+    drain_timeout_s: float
+    log_level: str
+    max_body_bytes: int
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    """Read the environment (or `env`, for tests) once; raise ConfigError naming bad variables."""
+    try:
+        if env is None:
+            return Settings()
+        return Settings(**{k.lower(): v for k, v in env.items()
+                           if k.lower() in Settings.model_fields})
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, ServerConfig]:
+    """Turn "auto" values into concrete ones; returns new frozen configs."""
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    elif device == "cuda" and not cuda_available:
+        raise ConfigError("DEVICE='cuda': no CUDA device is visible; use DEVICE=cpu or auto")
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if settings.max_prompt_tokens > 1 << 20:
+        raise ConfigError(f"MAX_PROMPT_TOKENS={settings.max_prompt_tokens}: at most 1048576")
+    buckets = (tuple(int(x) for x in settings.cuda_graph_buckets.split(","))
+               if settings.cuda_graph_buckets else None)
+    eng = EngineConfig(
+        model_path=settings.model_path, device=device, dtype=dtype,
+        mem_fraction_static=settings.mem_fraction_static,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        cuda_graph_max_tokens=settings.cuda_graph_max_tokens if device == "cuda" else 0,
+        cuda_graph_buckets=buckets, page_size=settings.page_size,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_queue_requests=settings.max_queue_requests,
+        max_batch_prompts=settings.max_batch_prompts,
+        kv_cache_bytes=settings.kv_cache_bytes, dp_size=settings.dp_size,
+    )
+    srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
+                       drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
+                       max_body_bytes=settings.max_body_bytes)
+    return eng, srv

@@ -1,0 +1,1 @@
+"""Engine: batch types, KV pool and pages, memory sizing, graph runner, scheduler."""

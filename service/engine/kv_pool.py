@@ -1,0 +1,75 @@
+"""The KV pool (per-layer tensors) and its page allocator (alloc/free only), kept apart."""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.pages import pages_for
+from service.model.config import ModelConfig
+from service.model.meta import KVCache
+
+
+class KVPoolExhausted(Exception):
+    """Not enough free KV pages for a request right now."""
+
+
+class PageAllocator:
+    """Hands out page ids 1..num_pages-1; page 0 is the dummy page and is never handed out."""
+
+    def __init__(self, num_pages: int):
+        assert num_pages >= 2, f"a KV pool needs at least 2 pages (1 dummy), got {num_pages}"
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() gives low ids first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Usable pages (the dummy page excluded)."""
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVPoolExhausted(f"need {n} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            assert p in self._used, f"page {p} freed twice or never allocated"
+            self._used.remove(p)
+            self._free.append(p)
+
+
+class KVPool:
+    """K and V tensors of every layer, sized in whole pages, plus the page allocator."""
+
+    def __init__(self, cfg: ModelConfig, num_tokens: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        num_pages = pages_for(num_tokens, page_size) + 1  # + the dummy page
+        slots = num_pages * page_size
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        self.cache = KVCache(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
+            page_size=page_size,
+        )
+        self.allocator = PageAllocator(num_pages)
+        self.page_size = page_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.capacity * self.page_size
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens' worth of pages in use (whole pages)."""
+        return (self.allocator.capacity - self.allocator.num_free) * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes

@@ -1,0 +1,1 @@
+"""Llama-family model in plain PyTorch, its configuration, weight loaders and tokenizers."""

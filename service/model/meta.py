@@ -1,0 +1,65 @@
+"""The model's one metadata input: where each sequence's new tokens sit and where its KV lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Per-layer K and V pools, each (num_slots, kv_heads, head_dim); slot = page*page_size + i.
+
+    Slot 0 (page 0) is the dummy slot: padded tokens write there and no sequence reads it.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    page_size: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+@dataclass(frozen=True)
+class ForwardMeta:
+    """A flat varlen batch of B sequences, T real tokens (the ids may be padded beyond T).
+
+    Device tensors are built once per batch; the Python tuples serve host-side code (the
+    reference attention and sampling) without a device sync.
+    """
+
+    cu_seqlens_q: torch.Tensor  # (B+1,) int32: new tokens of sequence b are [cu[b], cu[b+1])
+    prefix_lens: torch.Tensor  # (B,) int32: cached tokens before each sequence's new tokens
+    page_table: torch.Tensor  # (B, max_pages) int32: page ids covering prefix + new tokens
+    slot_mapping: torch.Tensor  # (T_padded,) int64: KV slot per token; padding -> slot 0
+    logits_indices: torch.Tensor  # (N,) int64: token rows whose logits are computed
+    q_lens: tuple[int, ...]  # new tokens per sequence
+    prefix_lens_host: tuple[int, ...]
+    kv: KVCache
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens, default=0)
+
+    @property
+    def max_kv_len(self) -> int:
+        return max((p + q for p, q in zip(self.prefix_lens_host, self.q_lens)), default=0)
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size

@@ -1,0 +1,125 @@
+"""Tokenizers: a HF `tokenizer.json`, or byte-level BPE rebuilt from GGUF metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from service.model.errors import ModelLoadError
+
+# GPT-2's split; llama.cpp's "smollm"/"gpt2" pre-tokenizers use it ("smollm" isolates each digit
+# first, as SmolLM2's own tokenizer.json does with a Digits(individual_digits) step).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_PRE = {  # tokenizer.ggml.pre -> (isolate single digits first, split regex)
+    "smollm": (True, _GPT2_SPLIT),
+    "gpt2": (False, _GPT2_SPLIT),
+    "default": (False, _GPT2_SPLIT),
+    "llama3": (False, _LLAMA3_SPLIT),
+    "llama-bpe": (False, _LLAMA3_SPLIT),
+    "qwen2": (False, _QWEN2_SPLIT),
+}
+_CONTROL = 3  # llama.cpp token type for control tokens such as <|im_start|>
+
+
+class TextTokenizer:
+    """Encode/decode through a `tokenizers.Tokenizer`, plus the ids the service needs."""
+
+    def __init__(self, tok: Tokenizer, bos_id: int | None, eos_id: int | None,
+                 add_bos: bool = False):
+        self.tok = tok
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+
+def load_hf_tokenizer(model_dir: Path, cfg: dict[str, Any] | None = None) -> TextTokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing tokenizer file (tokenizer.json is required)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise ModelLoadError(f"{path}: cannot parse tokenizer: {e}") from e
+    cfg = cfg or {}
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    # Llama tokenizer.json files add BOS through their post-processor; encode() asks for none,
+    # so add it here when the tokenizer config says the model expects it.
+    tc_path = model_dir / "tokenizer_config.json"
+    add_bos = False
+    if tc_path.is_file():
+        import json
+
+        add_bos = bool(json.loads(tc_path.read_text()).get("add_bos_token", False))
+    return TextTokenizer(tok, cfg.get("bos_token_id"), eos, add_bos=add_bos)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> TextTokenizer:
+    """Byte-level BPE from `tokenizer.ggml.{model,pre,tokens,token_type,merges,bos/eos}`."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{where}: tokenizer model {kind!r} not supported (supported: gpt2)")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if key not in meta:
+            raise ModelLoadError(f"{where}: missing tokenizer metadata {key!r}")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    alphabet = set(_bytes_to_unicode().values())
+    spell = _bytes_to_unicode()
+    vocab = {}
+    for i, t in enumerate(tokens):  # control tokens may use characters outside the byte alphabet
+        vocab[t if set(t) <= alphabet else "".join(spell[b] for b in t.encode())] = i
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    digits, split = _GGUF_PRE.get(meta.get("tokenizer.ggml.pre", "default"), _GGUF_PRE["default"])
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
+    if control:
+        tok.add_special_tokens(control)
+    return TextTokenizer(tok, meta.get("tokenizer.ggml.bos_token_id"),
+                         meta.get("tokenizer.ggml.eos_token_id"),
+                         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
