@@ -1,0 +1,76 @@
+"""Helpers shared by the deployment tests (imported by conftest.py and the test modules)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+OVERLAYS = ("h200", "small-gpu")
+# CI installs these with: apt-get install -y --no-install-recommends prometheus
+APT_HINT = "apt-get install -y --no-install-recommends prometheus"
+
+READY_TIMEOUT_S = 180.0
+SERVICE_DRAIN_TIMEOUT_S = 5
+
+
+def find_tool(name: str) -> str | None:
+    """`name` on PATH, or next to the running interpreter (pip-installed tools in the venv)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else None
+
+
+def require_tool(name: str, how: str) -> str:
+    path = find_tool(name)
+    if path is None:
+        pytest.skip(
+            f"`{name}` not found on PATH or in {Path(sys.executable).parent}; install: {how}"
+        )
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """HTTP status of a GET, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, wait up to grace_s, then SIGKILL. Only touches the process we started."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def load_yaml_docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
