@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body accepted.")
+    served_model_name: str | None = Field(None, description=(
+        "Model id in /v1/models and responses; default: the checkpoint's file/directory name."))
+    prefix_cache: bool = Field(True, description=(
+        "Reuse the KV of full pages shared with earlier prompts (page-granular prefix cache)."))
+    model_preset: str | None = Field(None, description=(
+        "Random weights of a preset shape (e.g. smollm2-135m) with the default tokenizer, for "
+        "benchmarks; overrides MODEL_PATH's weights."))
 
     @field_validator("cuda_graph_buckets")
     @classmethod
@@ -60,6 +67,17 @@ class Settings(BaseSettings):
         if not vals or any(x <= 0 for x in vals):
             raise ValueError("must be comma-separated positive integers, e.g. 16,64,256")
         return ",".join(str(x) for x in sorted(set(vals)))
+
+    @field_validator("model_preset")
+    @classmethod
+    def _preset(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        from service.model.config import PRESETS
+
+        if v not in PRESETS:
+            raise ValueError(f"unknown preset; known: {', '.join(PRESETS)}")
+        return v
 
 
 def _explain(err: ValidationError) -> str:
@@ -85,6 +103,8 @@ class EngineConfig:
     max_batch_prompts: int
     kv_cache_bytes: int
     dp_size: int
+    model_preset: str | None = None  # random weights of this preset shape (benchmarks)
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -98,6 +118,7 @@ class ServerConfig:
     drain_timeout_s: float
     log_level: str
     max_body_bytes: int
+    served_model_name: str | None = None
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -135,8 +156,10 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         max_queue_requests=settings.max_queue_requests,
         max_batch_prompts=settings.max_batch_prompts,
         kv_cache_bytes=settings.kv_cache_bytes, dp_size=settings.dp_size,
+        model_preset=settings.model_preset, prefix_cache=settings.prefix_cache,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
-                       max_body_bytes=settings.max_body_bytes)
+                       max_body_bytes=settings.max_body_bytes,
+                       served_model_name=settings.served_model_name or None)
     return eng, srv

@@ -1,43 +1,46 @@
-"""EngineCore: load → (capture) → size the KV pool → forward batches. No HTTP, no metrics here.
+"""EngineCore: load → warm up → capture → size the KV pool → forward batches.
 
-The scheduler drives it from one worker thread; everything it exposes for metrics is plain
-numbers (`MemoryReport`, `forward_counts`).
+No HTTP, no metrics here: the scheduler drives it from one worker thread, and everything it
+exposes for metrics is plain numbers (`MemoryReport`, `forward_counts`). On CUDA the KV pool is
+allocated after graph capture from the memory then free (service.engine.memory); on a machine
+without a GPU the same code runs eagerly on the PyTorch reference kernels and the pool is sized
+from KV_CACHE_BYTES.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from service.config import EngineConfig
-from service.engine.batch import SeqChunk, build_batch
+from service.engine.batch import SeqChunk
+from service.engine.buckets import Buckets, resolve_buckets
+from service.engine.dp import DPGroup
+from service.engine.graph import CudaGraphBackend
 from service.engine.kv_pool import KVPool
-from service.model.loader import load_model
+from service.engine.memory import (
+    InsufficientMemory,
+    MemoryReader,
+    MemoryReport,
+    cuda_free_bytes,
+    gib,
+    size_after_capture,
+)
+from service.engine.pages import pages_for
+from service.engine.runner import PrefillRunner
+from service.model.config import preset
+from service.model.loader import LoadedModel, default_model_path, load_model, random_model
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """Every term of the memory budget, in bytes (plain numbers for /info and /metrics)."""
-
-    free_before_bytes: int
-    weights_bytes: int
-    capture_bytes: int
-    retained_input_bytes: int
-    kv_bytes: int
-    kv_tokens: int
-    reserve_bytes: int
-    eager_peak_bytes: int
-    mem_fraction_static: float
-    capture_seconds: float
-    buckets: tuple[int, ...] = field(default_factory=tuple)
+__all__ = ["EngineCore", "ForwardOutput", "InsufficientMemory", "MemoryReport"]
 
 
 class ForwardOutput(NamedTuple):
@@ -50,39 +53,128 @@ def weights_nbytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _tokenizer_of(path: Path):
+    """Only the tokenizer of a checkpoint (random-weight presets keep the real vocabulary)."""
+    from service.model.loader_gguf import gguf_metadata, read_gguf
+    from service.model.loader_hf import read_hf_config
+    from service.model.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_tokenizer(path, read_hf_config(path)[1])
+    if path.is_dir():
+        path = next(iter(sorted(path.glob("*.gguf"))), path)
+    return tokenizer_from_gguf(gguf_metadata(read_gguf(path)), str(path))
+
+
+def load(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    if cfg.model_preset is None:
+        return load_model(cfg.model_path, device, dtype)
+    t0 = time.perf_counter()
+    path = Path(cfg.model_path) if cfg.model_path else default_model_path()
+    mcfg = preset(cfg.model_preset)
+    model = random_model(mcfg, device, dtype)
+    return LoadedModel(model, _tokenizer_of(path), mcfg, path, time.perf_counter() - t0)
+
+
 class EngineCore:
-    def __init__(self, cfg: EngineConfig):
+    """`loaded` injects a model (tests); `memory_reader` fakes device memory; `dp_group` makes
+    this process one rank of a data-parallel group (every rank calls `forward` in lockstep)."""
+
+    def __init__(self, cfg: EngineConfig, *, loaded: LoadedModel | None = None,
+                 memory_reader: MemoryReader | None = None, dp_group: DPGroup | None = None):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype]
-        loaded = load_model(cfg.model_path, self.device, self.dtype)
+        cuda = self.device.type == "cuda"
+        if cfg.dp_size > 1 and (dp_group is None or dp_group.world != cfg.dp_size):
+            raise ValueError(f"DP_SIZE={cfg.dp_size} needs one process per rank joined in a "
+                             "DPGroup (service.engine.dp.init_dp) passed as dp_group")
+        reader = memory_reader or (cuda_free_bytes(self.device) if cuda else None)
+        free_before = reader() if reader is not None else 0
+        loaded = loaded or load(cfg, self.device, self.dtype)
         self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.model_path = str(loaded.path)
         self.load_seconds = loaded.load_seconds
-        bpt = self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
-        kv_tokens = max(cfg.kv_cache_bytes // bpt, 2 * cfg.page_size)
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        sizes = resolve_buckets(cfg.cuda_graph_buckets, cfg.cuda_graph_max_tokens,
+                                cfg.max_prefill_tokens) if cuda else ()
+        backend = CudaGraphBackend(self.stream) if sizes else None
+        self.runner = PrefillRunner(self.model, Buckets(sizes), backend, dp=dp_group,
+                                    stream=self.stream)
+        self.forward_counts = self.runner.forward_counts
+        weights = weights_nbytes(self.model)
+        if reader is not None:
+            report, plan = size_after_capture(self.runner, reader, free_before, weights,
+                                              cfg.mem_fraction_static, cfg.page_size,
+                                              cfg.max_prefill_tokens)
+            kv_tokens = plan.tokens
+        else:
+            bpt = self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
+            kv_tokens = max(cfg.kv_cache_bytes // bpt // cfg.page_size - 1, 2) * cfg.page_size
+            report = MemoryReport(
+                free_before_bytes=0, weights_bytes=weights, capture_bytes=0,
+                retained_input_bytes=0, kv_bytes=0, kv_tokens=0, reserve_bytes=0,
+                eager_peak_bytes=0, mem_fraction_static=cfg.mem_fraction_static,
+                capture_seconds=0.0, path="cpu")
         self.pool = KVPool(self.model_cfg, kv_tokens, cfg.page_size, self.dtype, self.device)
-        self.memory = MemoryReport(
-            free_before_bytes=0, weights_bytes=weights_nbytes(self.model), capture_bytes=0,
-            retained_input_bytes=0, kv_bytes=self.pool.nbytes,
-            kv_tokens=self.pool.capacity_tokens, reserve_bytes=0, eager_peak_bytes=0,
-            mem_fraction_static=cfg.mem_fraction_static, capture_seconds=0.0)
-        self.forward_counts = {"graph": 0, "eager": 0}
-        log.info("engine ready on %s (eager, reference attention): KV pool %d tokens (%d bytes)",
-                 self.device, self.pool.capacity_tokens, self.pool.nbytes)
+        if cuda:
+            torch.cuda.synchronize(self.device)  # the pool's zero-fill, before the stream uses it
+        self.memory = dataclasses.replace(report, kv_bytes=self.pool.nbytes,
+                                          kv_tokens=self.pool.capacity_tokens)
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        m = self.memory
+        if self.device.type != "cuda":
+            log.info("engine ready on cpu: eager forwards on the PyTorch reference kernels, no "
+                     "CUDA graphs; KV pool sized from KV_CACHE_BYTES=%d: %d tokens (%s)",
+                     self.cfg.kv_cache_bytes, m.kv_tokens, gib(m.kv_bytes))
+            return
+        mode = (f"CUDA graphs ({len(m.buckets)} buckets up to {max(m.buckets)} tokens, "
+                f"{m.graphs} graphs)" if m.buckets else "eager (CUDA graphs off)")
+        log.info("engine ready on %s: %s, Triton kernels; weights %s, capture %s, KV pool %d "
+                 "tokens (%s), reserve %s at MEM_FRACTION_STATIC=%.2f", self.device, mode,
+                 gib(m.weights_bytes), gib(m.capture_bytes), m.kv_tokens, gib(m.kv_bytes),
+                 gib(m.reserve_bytes), m.mem_fraction_static)
 
     @property
     def max_batch_tokens(self) -> int:
         return self.cfg.max_prefill_tokens
 
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.runner.captured
+
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
         t0 = time.perf_counter()
-        batch = build_batch(chunks, self.pool.cache, self.device)
-        logits = self.model(batch.input_ids, batch.positions, batch.meta).cpu()
-        self.forward_counts["eager"] += 1
-        return ForwardOutput([logits[s:e] for s, e in batch.logits_rows], "eager",
+        tokens = sum(c.num_tokens for c in chunks)
+        assert tokens <= self.max_batch_tokens, (
+            f"batch of {tokens} tokens exceeds MAX_PREFILL_TOKENS={self.max_batch_tokens}")
+        logits, batch, mode = self.runner.prefill(chunks, self.pool.cache)
+        return ForwardOutput([logits[s:e] for s, e in batch.logits_rows], mode,
                              time.perf_counter() - t0)
 
+    def prefill_chunked(self, token_ids: list[int], chunk_tokens: int | None = None
+                        ) -> torch.Tensor:
+        """One prompt, prefilled `chunk_tokens` at a time, each chunk attending to the KV the
+        earlier ones wrote; returns the last token's logits (vocab,). For tests and benches:
+        the scheduler splits long prompts itself."""
+        step = chunk_tokens or self.max_batch_tokens
+        pages = self.pool.allocator.alloc(pages_for(len(token_ids), self.pool.page_size))
+        try:
+            out = None
+            for s in range(0, len(token_ids), step):
+                e = min(s + step, len(token_ids))
+                chunk = SeqChunk(tuple(token_ids[s:e]), s,
+                                 tuple(pages[: pages_for(e, self.pool.page_size)]))
+                out = self.forward([chunk]).logits[0][-1]
+            return out
+        finally:
+            self.pool.allocator.free(pages)
+
     def close(self) -> None:
-        pass
+        """Free the graphs, their pool and the static buffers (the KV pool stays readable)."""
+        self.runner.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -3,6 +3,9 @@
 forward(input_ids (T,), positions (T,), meta) -> logits of the rows in meta.logits_indices.
 Each layer is split at its attention *break* (`pre` → attention → `post`) so the graph runner
 can capture the dense parts and run attention eagerly; `forward` is the same chain, eager.
+The dense methods take optional `out`/`scratch` buffers: the graph runner passes slices of its
+static buffers so that a captured segment allocates nothing; eager calls allocate as usual and
+run the very same kernels (so graph replay and eager agree bit for bit on the same rows).
 """
 
 from __future__ import annotations
@@ -24,11 +27,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.use_triton = False
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out: torch.Tensor | None = None):
+        """rms_norm(x) (into `out`), or with `residual`: in place, returns (x, residual)."""
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps, use_triton=self.use_triton)
+            return ops.rms_norm(x, self.weight, self.eps, out=out, use_triton=self.use_triton)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps,
                                       use_triton=self.use_triton)
+
+
+def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`lin(x)`, optionally into `out`: the same mm/addmm F.linear runs, without an allocation."""
+    if out is None:
+        return lin(x)
+    if lin.bias is None:
+        return torch.mm(x, lin.weight.t(), out=out)
+    return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
+
+
+def swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
+           out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """down(silu(gate) * up); `scratch` (T, 2F) holds gate|up, then the activation in place."""
+    gu = linear(x, gate_up, scratch)  # (T, 2F)
+    f = gu.shape[1] // 2
+    # NOTE: in place into gu's gate half (row stride 2F): each element of the gate half is read
+    # by the one program that writes it, so this is safe and saves a (T, F) tensor.
+    act = ops.silu_and_mul(gu, out=gu[:, :f], use_triton=use_triton)  # (T, F), strided rows
+    return linear(act, down, out)  # (T, hidden)
 
 
 class MLP(nn.Module):
@@ -40,9 +65,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.use_triton = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)  # (T, 2F)
-        return self.down_proj(ops.silu_and_mul(gu, use_triton=self.use_triton))  # (T, hidden)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                scratch: torch.Tensor | None = None, dp=None) -> torch.Tensor:
+        assert dp is None, "a data-parallel forward needs the sharded MLP (service.engine.dp)"
+        return swiglu(x, self.gate_up_proj, self.down_proj, self.use_triton, out, scratch)
 
 
 class DecoderLayer(nn.Module):
@@ -58,26 +84,35 @@ class DecoderLayer(nn.Module):
         self.use_triton = False
 
     def pre(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add + norm, QKV projection, RoPE. Returns (qkv, residual)."""
+            cos_sin: torch.Tensor, qkv_out: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add + norm (in place), QKV projection, RoPE. Returns (qkv, residual)."""
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        qkv = self.qkv_proj(h)  # (T, (H + 2KVH) * D)
+        return self.qkv_rope(h, positions, cos_sin, qkv_out), residual
+
+    def qkv_rope(self, h_normed: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = linear(h_normed, self.qkv_proj, out)  # (T, (H + 2KVH) * D)
         t, c = qkv.shape[0], self.cfg
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
         ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton)
-        return qkv, residual
+        return qkv
 
-    def post(self, attn_out: torch.Tensor, residual: torch.Tensor
+    def post(self, attn_out: torch.Tensor, residual: torch.Tensor,
+             h_out: torch.Tensor | None = None, scratch: torch.Tensor | None = None, dp=None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output projection, residual add + norm, MLP. Returns (h, residual)."""
-        h = self.o_proj(attn_out)
+        """Output projection, residual add + norm, MLP. Returns (h, residual).
+
+        With `h_out`, the projection, the norm and the MLP output all live in `h_out`.
+        """
+        h = linear(attn_out, self.o_proj, h_out)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, out=h_out, scratch=scratch, dp=dp), residual
 
 
 class LlamaModel(nn.Module):
@@ -109,8 +144,10 @@ class LlamaModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # (T, hidden)
+    def embed(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return self.embed_tokens(input_ids)  # (T, hidden)
+        return torch.index_select(self.embed_tokens.weight, 0, input_ids, out=out)
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.norm(h, residual)
@@ -122,11 +159,13 @@ class LlamaModel(nn.Module):
         return torch.nn.functional.linear(rows, self.head_weight).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: ForwardMeta) -> torch.Tensor:
+                meta: ForwardMeta, dp=None) -> torch.Tensor:
+        """Eager forward. `dp` (service.engine.dp.DPTokens): this rank's share of a
+        data-parallel step, whose MLPs gather every rank's tokens (the model must be sharded)."""
         h = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             qkv, residual = layer.pre(h, residual, positions, self.cos_sin)
             attn_out = self.attn(layer.layer_id, qkv, meta)
-            h, residual = layer.post(attn_out, residual)
+            h, residual = layer.post(attn_out, residual, dp=dp)
         return self.logits(self.final_norm(h, residual), meta)

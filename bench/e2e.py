@@ -1,0 +1,280 @@
+"""End-to-end prefill on one GPU: tokens/s, latency and MFU, ours vs Hugging Face transformers.
+
+One run, random weights of real shapes (bf16), same weights for every path:
+  ours-graph   breakable CUDA graphs + Triton kernels (the service's path)
+  ours-eager   Triton kernels, no graphs
+  ours-refattn no graphs, PyTorch reference attention (per-sequence SDPA) + Triton dense kernels
+  hf-sdpa      transformers (sdpa attention), LM head on the last token only
+Batches of 8,192 tokens from prompts of 128 / 1k / 8k tokens; single 128- and 1k-token prompts.
+MFU = (2 × non-embedding params × tokens + causal attention FLOPs) / time / measured bf16 GEMM
+ceiling. Also a torch-profiler summary of the top kernels for two cases.
+
+Usage: python bench/e2e.py [--models smollm2-135m,llama-3.2-1b] [--skip-hf] [--profile]
+Writes e2e.json / e2e.md / e2e_tokens.png / e2e_mfu.png to $OUT (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from service.config import EngineConfig  # noqa: E402
+from service.engine.batch import SeqChunk  # noqa: E402
+from service.engine.core import EngineCore  # noqa: E402
+from service.engine.pages import pages_for  # noqa: E402
+from service.model.attention import AttentionBackend  # noqa: E402
+from service.model.config import ModelConfig, preset  # noqa: E402
+from service.model.loader import LoadedModel, random_model  # noqa: E402
+from service.model.weights import load_hf_state  # noqa: E402
+
+MODELS = ["smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b"]
+CASES = [(64, 128), (8, 1024), (1, 8192), (1, 128), (1, 1024)]  # (prompts, tokens each)
+
+
+def layer_params(c: ModelConfig) -> int:
+    h, f = c.hidden_size, c.intermediate_size
+    return c.num_layers * (h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 3 * h * f)
+
+
+def flops(c: ModelConfig, bs: int, s: int) -> float:
+    attn = bs * 4 * s * s * c.head_dim * c.num_heads / 2 * c.num_layers  # causal
+    return 2 * layer_params(c) * bs * s + attn
+
+
+def gemm_ceiling() -> float:
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9  # TFLOP/s
+
+
+def timed(fn, reps: int, warmup: int = 3) -> float:
+    """Median wall milliseconds of fn() (fn synchronizes: it returns logits on the host)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def engine_cfg(graphs: bool, page_size: int = 16) -> EngineConfig:
+    return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
+                        mem_fraction_static=0.80, max_prefill_tokens=8192,
+                        cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
+                        page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
+                        max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1)
+
+
+def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
+    cfg = loaded.cfg
+    model = loaded.model
+    model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton",
+                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    engine = EngineCore(engine_cfg(graphs=variant == "ours-graph"), loaded=loaded)
+    out = {}
+    try:
+        for bs, s in CASES:
+            ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).tolist()
+            pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
+            chunks = [SeqChunk(tuple(x), 0, tuple(p)) for x, p in zip(ids, pages)]
+            reps = 30 if bs * s <= 1024 else 10
+            fwd = engine.forward
+            ms = timed(lambda chunks=chunks, fwd=fwd: fwd(chunks), reps)
+            mode = fwd(chunks).mode
+            for p in pages:
+                engine.pool.allocator.free(p)
+            out[f"{bs}x{s}"] = dict(ms=ms, mode=mode)
+        out["_memory"] = dataclasses.asdict(engine.memory)
+    finally:
+        engine.close()
+        engine = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    model.attn = AttentionBackend("triton", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    return out
+
+
+def hf_model(cfg: ModelConfig):
+    import transformers
+
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+              head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+              tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=16384,
+              attn_implementation="sdpa")
+    if cfg.arch == "qwen2":
+        hcfg = transformers.Qwen2Config(**kw)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        if cfg.rope_scaling:
+            kw["rope_scaling"] = dict(cfg.rope_scaling)
+        hcfg = transformers.LlamaConfig(**kw)
+        cls = transformers.LlamaForCausalLM
+    with torch.device("cuda"):
+        m = cls(hcfg).to(torch.bfloat16).eval()
+    return m
+
+
+def run_hf(m, cfg: ModelConfig, gen: torch.Generator) -> dict:
+    out = {}
+    for bs, s in CASES:
+        ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).cuda()
+        mask = torch.ones_like(ids)
+
+        @torch.no_grad()
+        def run(ids=ids, mask=mask):
+            h = m.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            return m.lm_head(h[:, -1]).float().cpu()
+
+        out[f"{bs}x{s}"] = dict(ms=timed(run, 30 if bs * s <= 1024 else 10), mode="hf")
+    return out
+
+
+def profile(engine_forward, chunks, label: str, top: int = 12) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    for _ in range(3):
+        engine_forward(chunks)
+    torch.cuda.synchronize()
+    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine_forward(chunks)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(ev.name, [0.0, 0])
+            k[0] += ev.device_time_total / 1e3 if hasattr(ev, "device_time_total") else 0.0
+            k[1] += 1
+    total = sum(v[0] for v in kernels.values())
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(label=label, wall_ms=wall, kernel_ms=total, launches=sum(v[1] for v in
+                                                                         kernels.values()),
+                top=[dict(name=n[:90], ms=v[0], calls=v[1], share=v[0] / max(total, 1e-9))
+                     for n, v in rows])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--variants", default="ours-graph,ours-eager,ours-refattn,hf-sdpa")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    meta = run_meta()
+    ceiling = gemm_ceiling()
+    meta["gemm_tflops"] = round(ceiling, 1)
+    print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s", flush=True)
+    variants = args.variants.split(",")
+    results: dict = {"rows": [], "profiles": []}
+    for name in args.models.split(","):
+        cfg = preset(name)
+        gen = torch.Generator().manual_seed(0)
+        hf = hf_model(cfg) if "hf-sdpa" in variants else None
+        model = random_model(cfg, "cuda", torch.bfloat16)
+        if hf is not None:
+            load_hf_state(model, hf.state_dict(), f"hf:{name}")  # the same weights
+        loaded = LoadedModel(model, None, cfg, Path(name), 0.0)
+        per = {}
+        for v in variants:
+            t0 = time.perf_counter()
+            per[v] = run_hf(hf, cfg, gen) if v == "hf-sdpa" else run_ours(loaded, v, gen)
+            print(f"{name} {v}: {per[v]} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        if args.profile and name in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"):
+            engine = EngineCore(engine_cfg(True), loaded=loaded)
+            for bs, s in [(1, 128), (8, 1024)]:
+                pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
+                ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).tolist()
+                chunks = [SeqChunk(tuple(x), 0, tuple(p)) for x, p in zip(ids, pages)]
+                results["profiles"].append(profile(engine.forward, chunks,
+                                                   f"{name} ours-graph {bs}x{s}"))
+                for p in pages:
+                    engine.pool.allocator.free(p)
+            engine.close()
+            del engine
+        for bs, s in CASES:
+            key = f"{bs}x{s}"
+            row = dict(model=name, case=key, tokens=bs * s)
+            for v in variants:
+                ms = per[v][key]["ms"]
+                row[v] = dict(ms=ms, tok_s=bs * s / ms * 1e3,
+                              mfu=flops(cfg, bs, s) / ms / 1e9 / ceiling,
+                              mode=per[v][key]["mode"])
+            results["rows"].append(row)
+        results.setdefault("memory", {})[name] = per.get("ours-graph", {}).get("_memory")
+        del hf, model, loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    header = ["model", "case"] + [f"{v} {m}" for v in variants for m in ("ms", "tok/s", "MFU")]
+    header += ["graph vs hf"]
+    rows = []
+    for r in results["rows"]:
+        line = [r["model"], r["case"]]
+        for v in variants:
+            line += [r[v]["ms"], round(r[v]["tok_s"]), round(r[v]["mfu"], 3)]
+        if "hf-sdpa" in variants and "ours-graph" in variants:
+            line.append(f"{r['hf-sdpa']['ms'] / r['ours-graph']['ms']:.2f}x")
+        rows.append(line)
+    md = markdown_table(header, rows)
+    for p in results["profiles"]:
+        md += (f"\n\n### profile: {p['label']} — wall {p['wall_ms']:.2f} ms, kernels "
+               f"{p['kernel_ms']:.2f} ms in {p['launches']} launches "
+               f"(wall/kernels {p['wall_ms'] / max(p['kernel_ms'], 1e-9):.2f})\n\n")
+        md += markdown_table(["kernel", "ms", "calls", "share"],
+                             [[k["name"], k["ms"], k["calls"], f"{k['share']:.0%}"]
+                              for k in p["top"]])
+    out = out_dir()
+    write_results(out, "e2e", meta, results, md)
+    try:
+        plot(results, variants, out)
+    except ImportError:
+        print("matplotlib missing: no plots")
+    print(md)
+
+
+def plot(results: dict, variants: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for metric, fname, label in (("tok_s", "e2e_tokens.png", "prompt tokens/s"),
+                                 ("mfu", "e2e_mfu.png", "MFU")):
+        big = [r for r in results["rows"] if r["tokens"] == 8192]
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        width = 0.8 / len(variants)
+        xs = range(len(big))
+        for i, v in enumerate(variants):
+            ax.bar([x + i * width for x in xs], [r[v][metric] for r in big], width, label=v)
+        ax.set_xticks([x + 0.4 - width / 2 for x in xs])
+        ax.set_xticklabels([f"{r['model']}\n{r['case']}" for r in big], fontsize=7)
+        ax.set_ylabel(label)
+        ax.set_title(f"8,192-token prefill batches, {label}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Data-parallel attention with a gathered, tensor-parallel MLP (SGLang's DP attention).
+
+Every rank holds the full attention weights and runs attention for its own requests. The MLP
+weights are sharded across ranks (gate/up rows, down columns). Before each MLP the ranks
+all-gather their normed hidden rows, each padded to the same row count (the bucket, or the
+largest rank's token count), every rank computes its MLP shard for all rows, and a
+reduce-scatter sums the shards and hands each rank back its own rows. A rank without requests
+still joins every collective with padding rows only.
+
+The per-rank token counts and the gather length are the *capture-only* tensors of the DP path
+(SGLang's `global_num_tokens_gpu` / `global_dp_buffer_len`): a captured MLP segment records
+their addresses (it zeroes the padding rows with them), so the graph backend keeps exactly
+these small tensors per bucket — nothing else of the capture batch.
+
+World size 1 needs no process group (collectives are identities; graphs and capture-only
+tensors are real). NCCL on GPUs; gloo on CPU (which has no reduce-scatter: all-reduce + slice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from service.engine.graph import tensor_bytes
+from service.model.llama import MLP, LlamaModel, swiglu
+
+
+class DPGroup:
+    """This process's rank in the data-parallel group; `pg` None only for world size 1."""
+
+    def __init__(self, rank: int = 0, world: int = 1, pg: dist.ProcessGroup | None = None,
+                 comm_device: torch.device | str = "cpu"):
+        assert 0 <= rank < world, f"rank {rank} outside world size {world}"
+        assert pg is not None or world == 1, "world size > 1 needs a process group"
+        self.rank, self.world, self.pg = rank, world, pg
+        self.comm_device = torch.device(comm_device)
+        self.backend = dist.get_backend(pg) if pg is not None else "none"
+
+    def all_gather_counts(self, n: int) -> list[int]:
+        """Every rank's token count for this step (host ints; one tiny collective)."""
+        if self.world == 1:
+            return [n]
+        mine = torch.tensor([n], dtype=torch.int64, device=self.comm_device)
+        outs = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(outs, mine, group=self.pg)
+        return [int(x.item()) for x in outs]
+
+    def all_gather_rows(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out (world·n, D) <- every rank's x (n, D), rank-major."""
+        if self.backend == "nccl":
+            dist.all_gather_into_tensor(out, x, group=self.pg)
+        else:
+            dist.all_gather(list(out.view(self.world, *x.shape).unbind(0)), x, group=self.pg)
+
+    def reduce_scatter_rows(self, out: torch.Tensor, partial: torch.Tensor) -> None:
+        """out (n, D) <- sum over ranks of partial (world·n, D), this rank's rows."""
+        if self.backend == "nccl":
+            dist.reduce_scatter_tensor(out, partial, group=self.pg)
+        else:
+            dist.all_reduce(partial, group=self.pg)
+            out.copy_(partial.view(self.world, *out.shape)[self.rank])
+
+
+def init_dp(rank: int, world: int, backend: str, init_method: str) -> DPGroup:
+    """Join the default process group (one process per rank) and return this rank's group."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    comm = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    return DPGroup(rank, world, dist.group.WORLD, comm)
+
+
+@dataclass(frozen=True)
+class DPCaptureInputs:
+    """The capture-only tensors, packed in one small int32 device tensor (one allocator block):
+    [gather_len, n_0, ..., n_{world-1}]."""
+
+    packed: torch.Tensor  # (world + 1,) int32
+
+    @classmethod
+    def new(cls, counts: list[int], rows: int, device: torch.device) -> DPCaptureInputs:
+        return cls(torch.tensor([len(counts) * rows, *counts], dtype=torch.int32, device=device))
+
+    @property
+    def gather_len(self) -> torch.Tensor:
+        return self.packed[:1]
+
+    @property
+    def global_num_tokens(self) -> torch.Tensor:
+        return self.packed[1:]
+
+    def fill(self, counts: list[int], rows: int) -> None:
+        """Write a live step's counts into these (recorded) addresses before a replay."""
+        host = torch.tensor([len(counts) * rows, *counts], dtype=torch.int32)
+        self.packed.copy_(host, non_blocking=False)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed)
+
+
+@dataclass(frozen=True)
+class DPTokens:
+    """One rank's view of a data-parallel step: rows per rank, counts, optional static buffers."""
+
+    group: DPGroup
+    rows: int  # rows each rank contributes to the gather (bucket, or the largest count)
+    inputs: DPCaptureInputs
+    gathered: torch.Tensor | None = None  # (world·rows, D) static slice; None: allocate
+    partial: torch.Tensor | None = None  # (world·rows, D) static slice; None: allocate
+
+
+def mask_padding(rows: torch.Tensor, dp: DPTokens) -> None:
+    """Zero every padding row of the gathered (world·n, D) rows, in place, from the counts."""
+    w, n = dp.group.world, dp.rows
+    idx = torch.arange(w * n, device=rows.device, dtype=torch.int32).view(w, n)  # (w, n)
+    local = idx - idx[:, :1]  # row index within its rank's block
+    valid = (local < dp.inputs.global_num_tokens[:, None]) & (idx < dp.inputs.gather_len)
+    rows.view(w, n, -1).masked_fill_(~valid[:, :, None], 0)
+
+
+class DPMLP(nn.Module):
+    """This rank's MLP shard; forward gathers all ranks' rows and scatters the sum back."""
+
+    def __init__(self, mlp: MLP, group: DPGroup):
+        super().__init__()
+        inter = mlp.down_proj.in_features
+        w, r = group.world, group.rank
+        assert inter % w == 0, f"intermediate size {inter} not divisible by DP size {w}"
+        f, lo = inter // w, r * (inter // w)
+        gu, down = mlp.gate_up_proj.weight, mlp.down_proj.weight  # (2F, D), (D, F)
+        self.gate_up_proj = nn.Linear(gu.shape[1], 2 * f, bias=False, device="meta")
+        self.down_proj = nn.Linear(f, down.shape[0], bias=False, device="meta")
+        with torch.no_grad():
+            up = inter + lo
+            shard_gu = gu if w == 1 else torch.cat([gu[lo : lo + f], gu[up : up + f]])
+            shard_down = down if w == 1 else down[:, lo : lo + f].contiguous()
+        self.gate_up_proj.weight = nn.Parameter(shard_gu, requires_grad=False)
+        self.down_proj.weight = nn.Parameter(shard_down, requires_grad=False)
+        self.group = group
+        self.use_triton = mlp.use_triton
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                scratch: torch.Tensor | None = None, dp: DPTokens | None = None) -> torch.Tensor:
+        assert dp is not None, "a sharded (DP) MLP needs this step's DPTokens"
+        n, w = x.shape[0], self.group.world
+        assert n == dp.rows, f"{n} rows, DP step has {dp.rows} per rank"
+        gathered = x
+        if w > 1:
+            gathered = dp.gathered if dp.gathered is not None else x.new_empty(w * n, x.shape[1])
+            self.group.all_gather_rows(gathered, x)
+        mask_padding(gathered, dp)
+        partial = out if w == 1 else dp.partial
+        y = swiglu(gathered, self.gate_up_proj, self.down_proj, self.use_triton, partial, scratch)
+        if w == 1:
+            return y
+        res = out if out is not None else x.new_empty(n, x.shape[1])
+        self.group.reduce_scatter_rows(res, y)
+        return res
+
+
+def shard_mlp(model: LlamaModel, group: DPGroup) -> None:
+    """Replace every layer's MLP by this rank's shard (frees the other ranks' weight rows)."""
+    for layer in model.layers:
+        if not isinstance(layer.mlp, DPMLP):
+            layer.mlp = DPMLP(layer.mlp, group)
+
+
+def mlp_width(model: LlamaModel) -> int:
+    """Output features of one layer's gate|up projection (2F, or 2F / world when sharded)."""
+    return model.layers[0].mlp.gate_up_proj.weight.shape[0]

@@ -1,0 +1,174 @@
+"""Post-capture KV sizing with SGLang's meaning of MEM_FRACTION_STATIC.
+
+    free_before  free device memory before the weights load
+    reserve    = (1 − MEM_FRACTION_STATIC) × free_before   (activations, eager path, logits)
+    kv_bytes   = free_now − reserve                       (free_now: after capture)
+    kv_tokens  = kv_bytes // bytes_per_token, in whole pages
+
+So weights + graphs + KV = MEM_FRACTION_STATIC × free_before, and every byte the capture saves
+goes to the KV pool. The pool is allocated after capture (captured segments never touch it); a
+two-page scratch pool serves the breaks during warm-up and capture and is freed before sizing.
+Device memory is read through an injectable `MemoryReader`, so CPU tests can script it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from service.engine.kv_pool import KVPool
+from service.engine.runner import PrefillRunner
+from service.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MemoryReader = Callable[[], int]
+ALLOC_GRANULE = 2 << 20  # the CUDA caching allocator rounds large blocks up to 2 MiB
+GIB = float(1 << 30)
+
+
+class InsufficientMemory(Exception):
+    """MEM_FRACTION_STATIC leaves no room for the KV pool after weights and graphs."""
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Every term of the memory budget, in bytes (plain numbers for /info and /metrics)."""
+
+    free_before_bytes: int
+    weights_bytes: int
+    capture_bytes: int
+    retained_input_bytes: int
+    kv_bytes: int
+    kv_tokens: int
+    reserve_bytes: int
+    eager_peak_bytes: int
+    mem_fraction_static: float
+    capture_seconds: float
+    buckets: tuple[int, ...] = field(default_factory=tuple)
+    free_after_capture_bytes: int = 0
+    static_buffer_bytes: int = 0  # the runner's shared max-size buffers (part of capture)
+    graphs: int = 0
+    path: str = "cpu"  # "cuda-graphs" | "cuda-eager" | "cpu"
+
+
+def cuda_free_bytes(device: torch.device | str) -> MemoryReader:
+    return lambda: torch.cuda.mem_get_info(device)[0]
+
+
+def gib(x: float) -> str:
+    return f"{x / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    reserve_bytes: int
+    kv_bytes: int  # the formula: free_now − reserve
+    ideal_tokens: int  # kv_bytes // bytes_per_token, rounded down to whole pages
+    tokens: int  # what the pool gets: less the dummy page and the allocator's block rounding
+
+
+def plan_kv(free_before: int, free_now: int, fraction: float, cfg: ModelConfig,
+            dtype_bytes: int, page_size: int, granule: int = ALLOC_GRANULE) -> KVPlan:
+    """KV budget after capture. The pool is 2·layers tensors of (slots, kv_heads, head_dim),
+    each rounded up to `granule` by the allocator, plus one dummy page; `tokens` fits in
+    kv_bytes with both accounted for."""
+    reserve = math.ceil((1.0 - fraction) * free_before - 1e-6)  # never under-reserve
+    kv_bytes = free_now - reserve
+    bpt = cfg.kv_bytes_per_token(dtype_bytes)
+    ideal = max(kv_bytes, 0) // bpt // page_size * page_size
+    per_tensor = max(kv_bytes, 0) // (2 * cfg.num_layers) // granule * granule
+    slots = per_tensor // (cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
+    tokens = max(slots // page_size - 1, 0) * page_size  # minus the dummy page
+    return KVPlan(reserve, kv_bytes, ideal, tokens)
+
+
+def smallest_workable_fraction(free_before: int, free_now: int, need_bytes: int) -> float:
+    """Smallest MEM_FRACTION_STATIC (2 decimals, rounded up) leaving `need_bytes` for KV."""
+    f = 1.0 - (free_now - need_bytes) / max(free_before, 1)
+    return math.ceil(f * 100 - 1e-9) / 100
+
+
+def refuse_message(plan: KVPlan, fraction: float, free_before: int, free_now: int,
+                   weights: int, capture: int, need_bytes: int, need_tokens: int) -> str:
+    other = free_before - free_now - weights - capture
+    f_min = smallest_workable_fraction(free_before, free_now, need_bytes)
+    advice = (f"the smallest workable MEM_FRACTION_STATIC is {f_min:.2f} (room for one "
+              f"{need_tokens}-token batch of KV)" if f_min < 1.0 else
+              "no MEM_FRACTION_STATIC fits: lower CUDA_GRAPH_MAX_TOKENS or MAX_PREFILL_TOKENS, "
+              "or use a smaller model or a larger GPU")
+    return (f"MEM_FRACTION_STATIC={fraction} leaves no memory for the KV pool: free before "
+            f"loading {gib(free_before)}, weights {gib(weights)}, CUDA-graph capture "
+            f"{gib(capture)}, other start-up use {gib(other)}, free after capture "
+            f"{gib(free_now)}, reserve (1 − {fraction}) × {gib(free_before)} = "
+            f"{gib(plan.reserve_bytes)}, so KV bytes = {gib(plan.kv_bytes)}; {advice}")
+
+
+def _settle(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def size_after_capture(runner: PrefillRunner, reader: MemoryReader, free_before: int,
+                       weights_bytes: int, fraction: float, page_size: int,
+                       max_prefill_tokens: int) -> tuple[MemoryReport, KVPlan]:
+    """Warm up eagerly (activation peak), capture every bucket, then size the KV pool.
+
+    Raises InsufficientMemory when the pool would get nothing. The caller allocates the pool.
+    """
+    cfg, device = runner.cfg, runner.device
+    dtype_bytes = runner.dtype.itemsize
+    with runner.on_stream():  # dummy page + one, on the stream that uses it
+        scratch = KVPool(cfg, page_size, page_size, runner.dtype, device)
+    eager_peak = runner.measure_eager_peak(max_prefill_tokens, scratch.cache)
+    _settle(device)
+    free_pre = reader()
+    total = len(runner.buckets)
+    t0 = time.perf_counter()
+
+    def progress(k: int, n: int) -> None:
+        log.info("captured bucket %d tokens (%d/%d), %s free", n, k + 1, total, gib(reader()))
+
+    runner.capture(scratch.cache, on_bucket=progress)
+    capture_s = time.perf_counter() - t0
+    del scratch
+    _settle(device)
+    free_now = reader()
+    capture = free_pre - free_now
+    granule = ALLOC_GRANULE if device.type == "cuda" else 1
+    plan = plan_kv(free_before, free_now, fraction, cfg, dtype_bytes, page_size, granule)
+    if runner.captured:
+        log.info("captured %d buckets (%d graphs) in %.2fs: capture memory %s (static buffers "
+                 "%s), retained capture inputs %d B, eager activation peak %s", total,
+                 runner.backend.num_graphs, capture_s, gib(capture), gib(runner.static_bytes),
+                 runner.retained_input_bytes, gib(eager_peak))
+    if plan.tokens < page_size:
+        need_tokens = max_prefill_tokens + page_size
+        need = need_tokens * cfg.kv_bytes_per_token(dtype_bytes) + 2 * cfg.num_layers * (
+            ALLOC_GRANULE + page_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
+        raise InsufficientMemory(refuse_message(plan, fraction, free_before, free_now,
+                                                weights_bytes, capture, need, max_prefill_tokens))
+    if eager_peak > plan.reserve_bytes:
+        log.warning("the eager activation peak %s (one %d-token batch) exceeds the reserve %s = "
+                    "(1 − MEM_FRACTION_STATIC) × free memory: a batch that size can run out of "
+                    "memory; use MEM_FRACTION_STATIC ≤ %.2f or a smaller MAX_PREFILL_TOKENS",
+                    gib(eager_peak), max_prefill_tokens, gib(plan.reserve_bytes),
+                    1.0 - eager_peak / max(free_before, 1))
+    if plan.tokens < max_prefill_tokens:
+        log.warning("the KV pool holds %d tokens, less than one %d-token batch",
+                    plan.tokens, max_prefill_tokens)
+    report = MemoryReport(
+        free_before_bytes=free_before, weights_bytes=weights_bytes, capture_bytes=capture,
+        retained_input_bytes=runner.retained_input_bytes, kv_bytes=0, kv_tokens=plan.tokens,
+        reserve_bytes=plan.reserve_bytes, eager_peak_bytes=eager_peak,
+        mem_fraction_static=fraction, capture_seconds=capture_s, buckets=runner.captured,
+        free_after_capture_bytes=free_now, static_buffer_bytes=runner.static_bytes,
+        graphs=runner.backend.num_graphs if runner.backend is not None else 0,
+        path="cuda-graphs" if runner.captured else f"{device.type}-eager")
+    return report, plan

@@ -1,0 +1,266 @@
+"""The prefill runner: pick a bucket, replay the breakable graph (or run eagerly), LM head.
+
+A graph forward copies ids/positions into the static buffers, sets the live-batch handle that
+the breaks read, and replays segment, break, segment, ...; the LM head then runs eagerly on the
+last-token rows (their count varies). Segment 0 = embedding + pre(layer 0); segment i = post(layer
+i-1) + pre(layer i); the last = post(last layer) + final norm. Each break is ONE KV-store launch
+and ONE attention launch on the live, unpadded rows, with metadata built once per batch.
+Padding rows are never attended to, never stored (the break sees live rows only) and never read
+by the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from service.engine.batch import PrefillBatch, SeqChunk, build_batch
+from service.engine.buckets import Buckets
+from service.engine.buffers import BucketViews, StaticBuffers
+from service.engine.dp import DPCaptureInputs, DPGroup, DPTokens, mlp_width, shard_mlp
+from service.engine.graph import SegmentBackend, _Direct
+from service.model.attention import BreakPlan
+from service.model.llama import LlamaModel
+from service.model.meta import KVCache
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRunner:
+    """Graph-or-eager forwards of one model. `backend` None: always eager (CPU, graphs off).
+
+    `dp`: run as one rank of a data-parallel group (the model's MLPs get sharded). The non-DP
+    path (dp None) carries no DP work at all. `retain_capture_batch` (benchmarks only) keeps
+    every capture batch alive, as upstream did before its retention gate.
+    """
+
+    def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend | None,
+                 dp: DPGroup | None = None, stream: torch.cuda.Stream | None = None,
+                 retain_capture_batch: bool = False):
+        self.model, self.cfg = model, model.cfg
+        w = next(model.parameters())
+        self.device, self.dtype = w.device, w.dtype
+        self.buckets = buckets if backend is not None else Buckets(())
+        self.backend = backend
+        self.dp = dp
+        if dp is not None:
+            shard_mlp(model, dp)
+        self.stream = stream
+        self.retain_capture_batch = retain_capture_batch
+        self.bufs: StaticBuffers | None = None
+        self._live: BreakPlan | None = None  # the handle the breaks read at replay
+        self.forward_counts = {"graph": 0, "eager": 0}
+
+    # -- selection --------------------------------------------------------------------------------
+    def can_use_graph(self, batch: PrefillBatch | int) -> bool:
+        n = batch if isinstance(batch, int) else batch.num_tokens
+        return self.buckets.use_graph(n) and self.backend.has(self.buckets.pad_to_bucket(n))
+
+    def pad_to_bucket(self, n: int) -> int | None:
+        return self.buckets.pad_to_bucket(n)
+
+    @contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """Run on the runner's stream (warm-up, capture, replay and eager all share it: one
+        cuBLAS workspace), ordered after the caller's stream's earlier work (weights, KV pool)
+        and before its later work. Forward/capture entry points other than `prefill` and
+        `capture` expect to be called inside this."""
+        if self.stream is None or torch.cuda.current_stream(self.device) == self.stream:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            caller.wait_stream(self.stream)
+
+    # -- forward ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache
+                ) -> tuple[torch.Tensor, PrefillBatch, str]:
+        """Logits (rows, vocab) fp32 on the CPU, the batch, and "graph" | "eager".
+
+        Data-parallel: every rank must call this in lockstep (an empty `chunks` is fine).
+        """
+        t = sum(c.num_tokens for c in chunks)
+        counts = self.dp.all_gather_counts(t) if self.dp is not None else None
+        n = max(counts) if counts is not None else t
+        graph = self.can_use_graph(n)
+        with self.on_stream():
+            batch = build_batch(chunks, kv, self.device,
+                                pad_to=self.buckets.pad_to_bucket(n) if graph else n)
+            if n == 0:
+                logits = torch.empty(0, self.cfg.vocab_size)
+            elif graph:
+                logits = self.forward_graph(batch, counts).cpu()
+            else:
+                logits = self.forward_eager(batch, counts).cpu()
+        mode = "graph" if graph else "eager"
+        self.forward_counts[mode] += 1
+        return logits, batch, mode
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: PrefillBatch, counts: list[int] | None = None) -> torch.Tensor:
+        dp = None
+        if self.dp is not None:
+            rows = batch.padded_tokens
+            dp = DPTokens(self.dp, rows, DPCaptureInputs.new(counts, rows, self.device))
+        return self.model(batch.input_ids, batch.positions, batch.meta, dp=dp)
+
+    @torch.inference_mode()
+    def forward_graph(self, batch: PrefillBatch, counts: list[int] | None = None,
+                      replay: bool = True) -> torch.Tensor:
+        """Through the static buffers: graph replay, or (replay=False) the same steps eagerly."""
+        n = batch.padded_tokens
+        assert self.bufs is not None and self.backend.has(n), f"no graph for {n} tokens"
+        v = self.bufs.views(n)
+        v.input_ids.copy_(batch.input_ids)
+        v.positions.copy_(batch.positions)
+        if self.dp is not None:
+            self._dp_inputs(n).fill(counts if counts is not None else [batch.num_tokens], n)
+        self._live = self._plan(batch, v)
+        try:
+            if replay:
+                self.backend.replay(n)
+            else:
+                self._run_once(v, self._static_dp_tokens(v))(_Direct())
+        finally:
+            self._live = None
+        return self.model.logits(v.hidden, batch.meta)
+
+    # -- capture ----------------------------------------------------------------------------------
+    def _run_once(self, v: BucketViews, dp: DPTokens | None) -> Callable[[object], None]:
+        """The forward of one bucket as dense steps and breaks. NOTE: closes over static views
+        and DP capture-only tensors only; the breaks read the live batch from `self._live`."""
+        m, layers = self.model, self.model.layers
+
+        def first() -> None:
+            m.embed(v.input_ids, out=v.residual)
+            layers[0].input_layernorm(v.residual, out=v.hidden)
+            layers[0].qkv_rope(v.hidden, v.positions, m.cos_sin, out=v.qkv)
+
+        def segment(i: int) -> Callable[[], None]:
+            def run() -> None:
+                layers[i].post(v.attn, v.residual, h_out=v.hidden, scratch=v.mlp_scratch, dp=dp)
+                if i + 1 < len(layers):
+                    layers[i + 1].pre(v.hidden, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
+                else:
+                    m.norm(v.hidden, v.residual)  # in place: hidden <- norm(hidden + residual)
+            return run
+
+        def brk(i: int) -> Callable[[], None]:
+            def run() -> None:
+                if self._live is not None:  # None: no live rows (an idle DP rank)
+                    self._live(i)
+            return run
+
+        def run_once(rec) -> None:
+            rec.dense(first)
+            for i in range(len(layers)):
+                rec.brk(brk(i))
+                rec.dense(segment(i))
+        return run_once
+
+    def _plan(self, batch: PrefillBatch, v: BucketViews) -> BreakPlan | None:
+        """The live batch's break, prepared once for every layer."""
+        t = batch.num_tokens
+        return self.model.attn.plan(v.qkv[:t], batch.meta, v.attn[:t]) if t else None
+
+    def capture_batch(self, n: int, kv: KVCache) -> PrefillBatch:
+        """n tokens (sequences no longer than the RoPE table) whose KV all goes to the dummy
+        page: the scratch pool needs only that page, and no prefix is read. Tests wrap this
+        to watch batch lifetimes."""
+        longest = min(n, self.model.max_positions)
+        lengths = [longest] * (n // longest) + ([n % longest] if n % longest else [])
+        return build_batch([SeqChunk((1,) * q, 0, (0,) * -(-q // kv.page_size))
+                            for q in lengths], kv, self.device)
+
+    def _dp_inputs(self, n: int) -> DPCaptureInputs:
+        kept = self.backend.retained(n)
+        return kept[1] if isinstance(kept, tuple) else kept
+
+    def _static_dp_tokens(self, v: BucketViews) -> DPTokens | None:
+        if self.dp is None:
+            return None
+        return DPTokens(self.dp, v.n, self._dp_inputs(v.n), v.gathered, v.partial)
+
+    @torch.inference_mode()
+    def capture(self, scratch_kv: KVCache, on_bucket: Callable[[int, int], None] | None = None
+                ) -> None:
+        """Allocate the static buffers, then capture every bucket, largest first."""
+        if self.backend is None or not len(self.buckets):
+            return
+        with self.on_stream():
+            if self.bufs is None:
+                world = self.dp.world if self.dp is not None else 1
+                self.bufs = StaticBuffers.allocate(self.cfg, self.buckets.largest, self.dtype,
+                                                   self.device, mlp_width(self.model), world)
+            for k, n in enumerate(self.buckets.capture_order()):
+                self._capture_bucket(n, scratch_kv)
+                if on_bucket is not None:
+                    on_bucket(k, n)
+
+    def _capture_bucket(self, n: int, kv: KVCache) -> None:
+        v = self.bufs.views(n)
+        batch = self.capture_batch(n, kv)
+        v.input_ids.copy_(batch.input_ids)
+        v.positions.copy_(batch.positions)
+        dp = None
+        if self.dp is not None:
+            counts = [n] * self.dp.world
+            dp = DPTokens(self.dp, n, DPCaptureInputs.new(counts, n, self.device), v.gathered,
+                          v.partial)
+        keep = dp.inputs if dp is not None else None  # the retention gate
+        if self.retain_capture_batch:
+            keep = (batch, keep)
+        self._live = self._plan(batch, v)
+        try:
+            self.backend.capture_one(n, self._run_once(v, dp), capture_inputs=keep)
+        finally:
+            self._live = None
+        del batch, keep, dp
+
+    @torch.inference_mode()
+    def measure_eager_peak(self, n: int, scratch_kv: KVCache) -> int:
+        """Activation peak (bytes) of one eager forward of n tokens; 0 off CUDA."""
+        if n <= 0:
+            return 0
+        counts = [n] * self.dp.world if self.dp is not None else None
+        with self.on_stream():
+            batch = self.capture_batch(n, scratch_kv)
+            if self.device.type != "cuda":
+                self.forward_eager(batch, counts)
+                return 0
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            self.forward_eager(batch, counts)
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+        del batch
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    @property
+    def retained_input_bytes(self) -> int:
+        return self.backend.retained_bytes() if self.backend is not None else 0
+
+    @property
+    def static_bytes(self) -> int:
+        return self.bufs.nbytes if self.bufs is not None else 0
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self.backend.shape_keys)) if self.backend is not None else ()
+
+    def close(self) -> None:
+        """Free the graphs, their pool and the static buffers."""
+        if self.backend is not None:
+            self.backend.close()
+        self.bufs = None

@@ -1,0 +1,212 @@
+"""Breakable CUDA graphs on a GPU: replay equals eager for every bucket of the default ladder
+on random varlen batches with cached prefixes, also after smaller buckets were captured into
+the shared pool; DP world size 1 with graphs; the engine core's post-capture sizing.
+
+`test_sanitizer_smoke` is small enough for compute-sanitizer:
+    compute-sanitizer --tool memcheck python -m pytest tests/engine/test_graph_gpu.py -k smoke
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from service.engine.batch import build_batch
+from service.engine.buckets import Buckets, default_ladder
+from service.engine.dp import DPGroup
+from service.engine.graph import CudaGraphBackend
+from service.engine.kv_pool import KVPool
+from service.engine.runner import PrefillRunner
+from service.model.config import preset
+from service.model.loader import random_model
+from tests.engine.helpers import chunk, engine_cfg, free_port, prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+PAGE = 16
+BF16 = torch.bfloat16
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def build(cfg_name: str = "smollm2-135m", buckets=None, dp=None, seed: int = 0, **over):
+    cfg = preset(cfg_name, **over)
+    model = random_model(cfg, "cuda", BF16, seed=seed)
+    stream = torch.cuda.Stream()
+    runner = PrefillRunner(model, Buckets(tuple(buckets or default_ladder(8192))),
+                           CudaGraphBackend(stream), dp=dp, stream=stream)
+    with torch.inference_mode():
+        runner.capture(KVPool(cfg, PAGE, PAGE, BF16, "cuda").cache)
+    return runner, KVPool(cfg, 64 * 1024, PAGE, BF16, "cuda")
+
+
+def varlen_batch(runner, pool, total: int, rng: random.Random):
+    """Sequences summing to `total` new tokens, most after a cached prefix (written eagerly)."""
+    k = rng.randint(1, min(8, total))
+    cuts = sorted(rng.sample(range(1, total), k - 1)) if k > 1 else []
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+    prefixes = [rng.choice([0, 0, rng.randint(1, 80)]) for _ in lengths]
+    vocab = runner.cfg.vocab_size
+    full = prompts(vocab, [p + n for p, n in zip(prefixes, lengths)], seed=rng.randint(0, 9999))
+    chunks = []
+    for ids, p in zip(full, prefixes):
+        head = chunk(pool, ids[:p]) if p else None
+        if head is not None:
+            with torch.inference_mode():
+                runner.prefill([head], pool.cache)
+        chunks.append(chunk(pool, ids[p:], p, list(head.pages) if head else None))
+    return chunks
+
+
+def graph_and_eager(runner, pool, chunks, n: int):
+    with torch.inference_mode(), runner.on_stream():
+        batch = build_batch(chunks, pool.cache, "cuda", pad_to=n)
+        graph = runner.forward_graph(batch).clone()
+        eager = runner.forward_eager(batch)  # the same padded rows, allocating path
+    torch.cuda.synchronize()
+    return graph, eager
+
+
+@pytest.fixture(scope="module")
+def smol():
+    runner, pool = build(num_layers=4)
+    yield runner, pool
+    runner.close()
+
+
+def test_replay_matches_eager_for_every_bucket(smol):
+    runner, pool = smol
+    rng = random.Random(0)
+    sizes = runner.buckets.sizes
+    assert runner.captured == sizes and len(sizes) == 58
+    assert runner.backend.num_graphs == 58 * (runner.cfg.num_layers + 1)
+    first = None
+    for prev, n in zip((0, *sizes), sizes):  # smallest first: the largest is captured first
+        total = rng.randint(max(prev + 1, (n + 1) // 2), n)
+        assert runner.pad_to_bucket(total) == n and runner.can_use_graph(total)
+        chunks = varlen_batch(runner, pool, total, rng)
+        graph, eager = graph_and_eager(runner, pool, chunks, n)
+        assert torch.isfinite(graph).all(), n
+        assert relerr(graph, eager) <= 1e-3, (n, relerr(graph, eager))
+        assert torch.equal(graph.argmax(-1), eager.argmax(-1)), n
+        if n == sizes[-1]:
+            first = (chunks, graph)  # keeps its pages (and so its prefixes' KV)
+        else:
+            for c in chunks:
+                pool.allocator.free(list(c.pages))
+    # the largest bucket again, after every smaller bucket replayed in the shared pool
+    chunks, graph0 = first
+    again, _ = graph_and_eager(runner, pool, chunks, sizes[-1])
+    assert relerr(again, graph0) <= 1e-3
+
+
+def test_prefill_path_picks_graphs_and_matches_eager(smol):
+    runner, pool = smol
+    chunks = [chunk(pool, p) for p in prompts(runner.cfg.vocab_size, [37, 100, 5], seed=1)]
+    with torch.inference_mode():
+        logits, batch, mode = runner.prefill(chunks, pool.cache)
+        b2 = build_batch(chunks, pool.cache, "cuda")
+        ref = runner.model(b2.input_ids, b2.positions, b2.meta).cpu()
+    assert mode == "graph" and batch.padded_tokens == 144
+    assert relerr(logits, ref) <= 2e-2  # unpadded eager: other GEMM shapes, bf16 rounding
+    assert runner.retained_input_bytes == 0
+
+
+def test_dp_world_size_one_with_graphs():
+    buckets = (16, 64, 256, 1024)
+    dp_runner, pool = build(buckets=buckets, dp=DPGroup(), num_layers=3)
+    plain, _ = build(buckets=buckets, num_layers=3)
+    rng = random.Random(1)
+    for n in buckets:
+        chunks = varlen_batch(dp_runner, pool, n - 3, rng)
+        graph, eager = graph_and_eager(dp_runner, pool, chunks, n)
+        with torch.inference_mode(), plain.on_stream():
+            ref = plain.forward_graph(build_batch(chunks, pool.cache, "cuda", pad_to=n))
+        assert relerr(graph, eager) <= 1e-3 and relerr(graph, ref) <= 1e-3, n
+        kept = dp_runner.backend.retained(n)
+        assert kept.packed.tolist() == [n, n - 3] and kept.nbytes <= 4096
+    assert dp_runner.retained_input_bytes <= 4096 * len(buckets)
+    dp_runner.close()
+    plain.close()
+
+
+def test_sanitizer_smoke():
+    runner, pool = build(buckets=(16, 64), num_layers=2, vocab_size=512, hidden_size=128,
+                         intermediate_size=256, num_heads=4, num_kv_heads=2)
+    rng = random.Random(2)
+    for n in (16, 64):
+        graph, eager = graph_and_eager(runner, pool, varlen_batch(runner, pool, n - 1, rng), n)
+        assert relerr(graph, eager) <= 1e-3
+    runner.close()
+
+
+def test_engine_core_sizes_kv_after_capture():
+    from service.engine.core import EngineCore
+    from service.model.loader import LoadedModel
+
+    cfg = preset("smollm2-135m", num_layers=4)
+    loaded = LoadedModel(random_model(cfg, "cuda", BF16), None, cfg, "random", 0.0)
+    core = EngineCore(engine_cfg(device="cuda", dtype="bfloat16", mem_fraction_static=0.3,
+                                 max_prefill_tokens=2048, cuda_graph_max_tokens=2048,
+                                 page_size=PAGE), loaded=loaded)
+    m = core.memory
+    assert m.path == "cuda-graphs" and m.buckets == default_ladder(2048) and m.graphs > 0
+    assert m.capture_bytes > 0 and m.static_buffer_bytes > 0 and m.retained_input_bytes == 0
+    ideal = (m.free_after_capture_bytes - m.reserve_bytes) // cfg.kv_bytes_per_token(2)
+    assert m.kv_tokens >= 0.99 * ideal and m.kv_bytes == core.pool.nbytes
+    assert m.eager_peak_bytes > 0 and m.weights_bytes > 0
+    ids = prompts(cfg.vocab_size, [300], seed=3)[0]
+    out = core.forward([chunk(core.pool, ids)])
+    assert out.mode == "graph" and out.logits[0].shape == (1, cfg.vocab_size)
+    core.close()
+    del core
+    torch.cuda.empty_cache()
+
+
+# per step: (rank 0's prompt lengths, rank 1's); rank 1 idles in the last step
+NCCL_STEPS = [([30, 9], [50]), ([200], [3, 7, 11]), ([40], [])]
+NCCL_BUCKETS = (16, 64, 256)
+
+
+def _nccl_prompts(step: int, rank: int, vocab: int) -> list[list[int]]:
+    lengths = NCCL_STEPS[step][rank]
+    return prompts(vocab, lengths, seed=10 * step + rank) if lengths else []
+
+
+def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    from service.engine.dp import init_dp
+
+    torch.cuda.set_device(rank)
+    group = init_dp(rank, world, "nccl", f"tcp://127.0.0.1:{port}")
+    runner, pool = build(buckets=NCCL_BUCKETS, dp=group, num_layers=3)
+    got = []
+    for step in range(len(NCCL_STEPS)):
+        chunks = [chunk(pool, p) for p in _nccl_prompts(step, rank, runner.cfg.vocab_size)]
+        logits, batch, mode = runner.prefill(chunks, pool.cache)
+        got.append((logits, mode, batch.padded_tokens))
+    torch.save(got, os.path.join(outdir, f"rank{rank}.pt"))
+    runner.close()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dp_two_nccl_ranks_with_graphs_match_dp1(tmp_path):
+    mp.spawn(_nccl_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    plain, pool = build(buckets=NCCL_BUCKETS, num_layers=3)  # DP 1: the whole MLP
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for step, (logits, mode, padded) in enumerate(got):
+            counts = [sum(NCCL_STEPS[step][r]) for r in (0, 1)]
+            assert mode == "graph" and padded == plain.pad_to_bucket(max(counts))
+            chunks = [chunk(pool, p) for p in _nccl_prompts(step, rank, plain.cfg.vocab_size)]
+            want, _, _ = plain.prefill(chunks, pool.cache)
+            assert logits.shape == want.shape
+            if want.numel():  # sharded MLP sums in another order: bf16 rounding only
+                assert relerr(logits, want) <= 2e-2, (rank, step, relerr(logits, want))
+    plain.close()

@@ -1,0 +1,169 @@
+"""The prefill runner on CPU: the breakable path (device-free backend) against the eager model,
+padding rules, chunked prefill, and the engine core's CPU path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from service.engine.batch import build_batch
+from service.engine.buckets import Buckets
+from service.engine.core import EngineCore
+from service.engine.graph import SegmentBackend
+from service.engine.kv_pool import KVPool
+from tests.engine.helpers import PAGE, chunk, engine_cfg, prompts, tiny_loaded, tiny_model
+
+ATOL = 1e-4
+
+
+def make_runner(buckets=(4, 8, 16, 32, 64), model=None):
+    from service.engine.runner import PrefillRunner
+
+    model = model or tiny_model()
+    runner = PrefillRunner(model, Buckets(tuple(buckets)), SegmentBackend())
+    scratch = KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu")
+    with torch.inference_mode():
+        runner.capture(scratch.cache)
+    return runner, KVPool(model.cfg, 2048, PAGE, torch.float32, "cpu")
+
+
+def eager_logits(model, chunks, pool):
+    b = build_batch(chunks, pool.cache, "cpu")
+    with torch.inference_mode():
+        out = model(b.input_ids, b.positions, b.meta)
+    return [out[s:e] for s, e in b.logits_rows]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return make_runner()
+
+
+def _with_prefixes(runner, pool, lengths, prefixes, seed):
+    """Chunks of new tokens after cached prefixes (the prefixes' KV written eagerly first)."""
+    vocab = runner.cfg.vocab_size
+    full = prompts(vocab, [p + n for p, n in zip(prefixes, lengths)], seed)
+    heads = [chunk(pool, ids[:p]) for ids, p in zip(full, prefixes) if p]
+    if heads:
+        eager_logits(runner.model, heads, pool)
+    it = iter(heads)
+    return [chunk(pool, ids[p:], p, list(next(it).pages) if p else None)
+            for ids, p in zip(full, prefixes)]
+
+
+@pytest.mark.parametrize("lengths, prefixes", [
+    ([3, 7, 2], [0, 0, 0]),  # 12 tokens -> bucket 16
+    ([5, 1, 9, 6], [4, 0, 13, 2]),  # 21 tokens, prefixes from the paged pool -> 32
+    ([33, 20], [8, 0]),  # 53 -> 64
+    ([4], [0]),  # exactly a bucket
+])
+def test_breakable_path_matches_eager(setup, lengths, prefixes):
+    runner, pool = setup
+    chunks = _with_prefixes(runner, pool, lengths, prefixes, seed=sum(lengths))
+    ref = eager_logits(runner.model, chunks, pool)
+    with torch.inference_mode():
+        logits, batch, mode = runner.prefill(chunks, pool.cache)
+    assert mode == "graph" and batch.padded_tokens == runner.pad_to_bucket(sum(lengths))
+    for (s, e), r in zip(batch.logits_rows, ref):
+        torch.testing.assert_close(logits[s:e], r, atol=ATOL, rtol=0)
+
+
+def test_padding_never_reaches_outputs_or_kv(setup):
+    runner, pool = setup
+    chunks = [chunk(pool, ids) for ids in prompts(runner.cfg.vocab_size, [5, 4], seed=3)]
+    before = [k.clone() for k in pool.cache.k]
+    with torch.inference_mode():
+        for buf in (runner.bufs.residual, runner.bufs.hidden, runner.bufs.arena):
+            buf.fill_(float("nan"))  # stale garbage in every padding row
+        logits, batch, mode = runner.prefill(chunks, pool.cache)
+    assert mode == "graph" and batch.padded_tokens == 16 and batch.num_tokens == 9
+    assert torch.isfinite(logits).all()
+    # only the real tokens' slots changed; padding wrote no KV anywhere (not even slot 0)
+    real = {p * PAGE + i for c in chunks for p in c.pages for i in range(PAGE)}
+    for k0, k1 in zip(before, pool.cache.k):
+        changed = {int(s) for s in (k0 != k1).any(-1).any(-1).nonzero().flatten()}
+        assert changed and changed <= real and 0 not in changed
+    ref = eager_logits(runner.model, chunks, pool)
+    for (s, e), r in zip(batch.logits_rows, ref):
+        torch.testing.assert_close(logits[s:e], r, atol=ATOL, rtol=0)
+
+
+def test_same_logits_whichever_bucket_pads_the_batch():
+    model = tiny_model(seed=1)
+    outs = []
+    for buckets in ((12,), (16,), (24,)):
+        runner, pool = make_runner(buckets, model)
+        chunks = [chunk(pool, ids) for ids in prompts(model.cfg.vocab_size, [6, 6], seed=4)]
+        with torch.inference_mode():
+            logits, batch, mode = runner.prefill(chunks, pool.cache)
+        assert mode == "graph" and batch.padded_tokens == buckets[0]
+        outs.append(logits)
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tokens, mode", [(3, "graph"), (5, "graph"), (17, "graph"),
+                                          (33, "graph"), (64, "graph"), (65, "eager")])
+def test_eager_when_over_the_largest_bucket(tokens, mode):
+    runner, pool = make_runner((4, 8, 16, 32, 64))
+    chunks = [chunk(pool, prompts(runner.cfg.vocab_size, [tokens], seed=tokens)[0])]
+    ref = eager_logits(runner.model, chunks, pool)
+    with torch.inference_mode():
+        logits, _, got = runner.prefill(chunks, pool.cache)
+    assert got == mode and runner.forward_counts[mode] == 1
+    torch.testing.assert_close(logits, ref[0], atol=ATOL, rtol=0)
+
+
+def test_eager_when_padding_would_more_than_double():
+    runner, pool = make_runner((4, 16))
+    for n, mode in ((5, "eager"), (8, "graph"), (3, "graph"), (1, "eager")):
+        chunks = [chunk(pool, prompts(runner.cfg.vocab_size, [n], seed=n)[0])]
+        with torch.inference_mode():
+            _, batch, got = runner.prefill(chunks, pool.cache)
+        assert got == mode, n
+        assert batch.padded_tokens == (runner.pad_to_bucket(n) if mode == "graph" else n)
+    assert runner.forward_counts == {"graph": 2, "eager": 2}
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 7])
+def test_chunked_prefill_equals_one_pass(chunk_tokens):
+    core = EngineCore(engine_cfg(max_prefill_tokens=64), loaded=tiny_loaded(seed=2))
+    ids = prompts(core.model_cfg.vocab_size, [50], seed=5)[0]
+    one = core.forward([chunk(core.pool, ids)]).logits[0][-1]
+    core.pool.allocator.free(list(range(1, 1 + -(-50 // PAGE))))
+    chunked = core.prefill_chunked(ids, chunk_tokens)
+    torch.testing.assert_close(chunked, one, atol=ATOL, rtol=0)
+    assert core.pool.allocator.num_free == core.pool.allocator.capacity
+    assert core.forward_counts["eager"] == 1 + -(-50 // chunk_tokens)
+
+
+def test_chunked_prefill_through_the_breakable_path_equals_one_pass():
+    runner, pool = make_runner((4, 8, 16, 32, 64))
+    ids = prompts(runner.cfg.vocab_size, [40], seed=6)[0]
+    one = eager_logits(runner.model, [chunk(pool, ids)], pool)[0][-1]
+    pages = list(pool.allocator.alloc(10))
+    out = None
+    for s in range(0, 40, 10):  # 4 chunks of 10 -> bucket 16
+        c = chunk(pool, ids[s : s + 10], s, pages)
+        with torch.inference_mode():
+            logits, _, mode = runner.prefill([c], pool.cache)
+        assert mode == "graph"
+        out = logits[-1]
+    torch.testing.assert_close(out, one, atol=ATOL, rtol=0)
+
+
+def test_core_cpu_path_reports_and_forwards(caplog):
+    with caplog.at_level("INFO"):
+        core = EngineCore(engine_cfg(), loaded=tiny_loaded())
+    assert "engine ready on cpu" in caplog.text and "KV_CACHE_BYTES" in caplog.text
+    m = core.memory
+    assert m.path == "cpu" and m.kv_bytes == core.pool.nbytes <= engine_cfg().kv_cache_bytes
+    assert m.kv_tokens == core.pool.capacity_tokens > 0 and m.weights_bytes > 0
+    chunks = [chunk(core.pool, ids) for ids in prompts(97, [3, 9], seed=7)]
+    chunks[1] = dataclasses.replace(chunks[1], all_logits=True)
+    out = core.forward(chunks)
+    assert out.mode == "eager" and [t.shape for t in out.logits] == [(1, 97), (9, 97)]
+    assert out.logits[0].device.type == "cpu" and core.forward_counts == {"graph": 0, "eager": 1}
+    core.close()

@@ -1,0 +1,46 @@
+"""The breakable path on the Triton kernels (CPU: Triton's interpreter), against the PyTorch
+reference model: the launchers accept the static-buffer views (strided qkv/rope slices, the
+in-place SiLU, attention into the arena, QKV bias via addmm) with and without DP."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from service.engine.batch import build_batch
+from service.engine.buckets import Buckets
+from service.engine.dp import DPGroup
+from service.engine.graph import SegmentBackend
+from service.engine.kv_pool import KVPool
+from service.engine.runner import PrefillRunner
+from service.model.loader import random_model
+from tests.engine.helpers import chunk, prompts, tiny_cfg
+
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU check through Triton's interpreter"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # the interpreter's
+
+
+@pytest.mark.parametrize("dp", [None, DPGroup()], ids=["plain", "dp1"])
+def test_triton_kernels_through_static_views_match_reference(dp):
+    cfg = tiny_cfg(arch="qwen2", qkv_bias=True)
+    tri = random_model(cfg, "cpu", torch.float32, attn_backend="triton", seed=1)
+    tri.set_kernels(True)
+    ref = random_model(cfg, "cpu", torch.float32, attn_backend="torch", seed=1)
+    runner = PrefillRunner(tri, Buckets((8, 16)), SegmentBackend(), dp=dp)
+    runner.capture(KVPool(cfg, 4, 4, torch.float32, "cpu").cache)
+    pool, ref_pool = (KVPool(cfg, 256, 4, torch.float32, "cpu") for _ in range(2))
+    ps = prompts(cfg.vocab_size, [9, 5], seed=3)
+    heads = [chunk(pool, p[:4]) for p in ps]
+    with torch.inference_mode():
+        runner.prefill(heads, pool.cache)  # prefixes into the paged pool
+        b = build_batch(heads, ref_pool.cache, "cpu")
+        ref(b.input_ids, b.positions, b.meta)
+        tails = [chunk(pool, p[4:], 4, list(h.pages)) for p, h in zip(ps, heads)]
+        got, batch, mode = runner.prefill(tails, pool.cache)
+        b = build_batch(tails, ref_pool.cache, "cpu")
+        want = ref(b.input_ids, b.positions, b.meta)
+    assert mode == "graph" and batch.padded_tokens == 8
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
