@@ -1,0 +1,207 @@
+"""Closed-loop load test of POST /v1/prefill: prompt tokens/s and TTFT p50/p99 per concurrency.
+
+Each concurrency level runs C clients that send one prompt after another (random token ids, so
+nothing is shared between prompts) until --duration seconds or --max-requests requests, whichever
+comes first. TTFT is the client-side latency of one prefill request (it returns the first token).
+Loopback only. Writes load-<device>-<date>.{json,md,png} to $OUT (default bench/results).
+
+  python bench/load.py --spawn                       # start `python -m service` itself
+  python bench/load.py --url http://127.0.0.1:8000   # a running server
+  MODEL_PRESET=smollm2-135m DEVICE=cuda python bench/load.py --spawn --prompt-tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def spawn(env_overrides: dict[str, str], ready_timeout: float) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **env_overrides, "HOST": "127.0.0.1", "PORT": str(port),
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the service exited with {proc.returncode} before /ready")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    sys.exit(f"the service was not ready after {ready_timeout}s")
+
+
+async def level(client: httpx.AsyncClient, conc: int, args: argparse.Namespace,
+                vocab: int) -> dict:
+    rng = random.Random(conc)
+    lat: list[float] = []
+    server_prefill: list[float] = []
+    tokens = errors = sent = 0
+    stop_at = time.perf_counter() + args.duration
+
+    async def worker() -> None:
+        nonlocal tokens, errors, sent
+        while time.perf_counter() < stop_at and sent < args.max_requests:
+            sent += 1
+            ids = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
+            t0 = time.perf_counter()
+            try:
+                r = await client.post("/v1/prefill", json={"input_ids": ids})
+            except httpx.HTTPError:
+                errors += 1
+                continue
+            if r.status_code != 200:
+                errors += 1
+                continue
+            lat.append(time.perf_counter() - t0)
+            res = r.json()["results"][0]
+            tokens += res["prompt_tokens"]
+            server_prefill.append(res["prefill_ms"] / 1e3)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    wall = time.perf_counter() - t0
+    return {"concurrency": conc, "requests": len(lat), "errors": errors, "seconds": wall,
+            "prompt_tokens_per_s": tokens / wall, "requests_per_s": len(lat) / wall,
+            "ttft_p50_s": pct(lat, 50), "ttft_p99_s": pct(lat, 99),
+            "server_prefill_p50_s": pct(server_prefill, 50)}
+
+
+async def sweep(url: str, args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits,
+                                 headers=args.headers) as client:
+        info = (await client.get("/info")).json()
+        vocab = info.get("vocab_size") or 32000
+        for _ in range(3):  # warm-up, not measured
+            await client.post("/v1/prefill", json={"input_ids": [100] * args.prompt_tokens})
+        rows = []
+        for conc in args.concurrency:
+            row = await level(client, conc, args, vocab)
+            print(f"c={conc:3d} {row['prompt_tokens_per_s']:10.0f} tok/s  "
+                  f"p50 {row['ttft_p50_s'] or 0:.3f}s  p99 {row['ttft_p99_s'] or 0:.3f}s  "
+                  f"({row['requests']} ok, {row['errors']} errors)", flush=True)
+            rows.append(row)
+        return info, rows
+
+
+def plot(path: Path, rows: list[dict], title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    xs = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
+        ax.plot(xs, [(r[key] or 0) * 1e3 for r in rows], marker="o", label=f"TTFT {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("ms")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server (loopback only)")
+    where.add_argument("--spawn", action="store_true", help="start `python -m service` here")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for --spawn (the current environment passes through)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per level (max 600)")
+    p.add_argument("--max-requests", type=int, default=500, help="per level (max 100000)")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--api-key", default=os.environ.get("API_KEY"))
+    args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if not 0 < args.duration <= 600 or not 0 < args.max_requests <= 100_000:
+        p.error("--duration must be in (0, 600] and --max-requests in (0, 100000]")
+    if args.url and urlparse(args.url).hostname not in LOOPBACK:
+        p.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
+    args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return args
+
+
+def main() -> None:
+    args = parse()
+    proc = None
+    url = args.url
+    if args.spawn:
+        env = dict(kv.split("=", 1) for kv in args.env)
+        proc, url = spawn(env, args.ready_timeout)
+    try:
+        info, rows = asyncio.run(sweep(url.rstrip("/"), args))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    meta = run_meta()
+    meta.update(service_device=info.get("device"), device_name=info.get("device_name"),
+                model=info.get("model"), dtype=info.get("dtype"),
+                graphs=info.get("graph", {}).get("enabled"), prompt_tokens=args.prompt_tokens,
+                preset=os.environ.get("MODEL_PRESET") or dict(
+                    kv.split("=", 1) for kv in args.env).get("MODEL_PRESET"))
+    device = (info.get("device_name") or info.get("device") or "unknown").replace(" ", "-")
+    name = f"load-{device}-{datetime.date.today().isoformat()}"
+    table = markdown_table(
+        ["concurrency", "requests", "errors", "prompt tok/s", "TTFT p50 ms", "TTFT p99 ms",
+         "server prefill p50 ms"],
+        [[r["concurrency"], r["requests"], r["errors"], r["prompt_tokens_per_s"],
+          (r["ttft_p50_s"] or 0) * 1e3, (r["ttft_p99_s"] or 0) * 1e3,
+          (r["server_prefill_p50_s"] or 0) * 1e3] for r in rows])
+    directory = out_dir()
+    paths = write_results(directory, name, meta, {"levels": rows}, table)
+    png = plot(directory / f"{name}.png", rows,
+               f"{meta['model']} {args.prompt_tokens}-token prompts on {device}")
+    print(table)
+    print("wrote", *paths, png or "(no matplotlib: no PNG)")
+    best = statistics.fmean(r["prompt_tokens_per_s"] for r in rows) if rows else 0
+    print(f"mean prompt tok/s over levels: {best:.0f}")
+
+
+if __name__ == "__main__":
+    main()

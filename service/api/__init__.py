@@ -1,0 +1,1 @@
+"""HTTP API: app factory + lifespan, routes, schemas, errors, metrics."""

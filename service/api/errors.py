@@ -1,0 +1,153 @@
+"""Typed errors and the one table that maps them to HTTP status codes (OpenAI error JSON shape)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.engine.kv_pool import KVPoolExhausted
+from service.engine.request import ForwardFailed, NotReady, QueueFull
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """An error with a message for the client and, optionally, the request field it concerns."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class BadInput(ServiceError):
+    """The request is well-formed JSON but asks for something invalid."""
+
+
+class PromptTooLong(BadInput):
+    """A prompt has more tokens than MAX_PROMPT_TOKENS or the model's context."""
+
+
+class ModelNotFound(ServiceError):
+    pass
+
+
+class Unauthorized(ServiceError):
+    pass
+
+
+class ClientDisconnected(Exception):
+    """The client went away; its prompts were cancelled and nothing is sent back."""
+
+
+# exception type -> (HTTP status, OpenAI error type, prefill_requests_total status label)
+ERROR_TABLE: dict[type[BaseException], tuple[int, str, str]] = {
+    PromptTooLong: (400, "invalid_request_error", "bad_request"),
+    BadInput: (400, "invalid_request_error", "bad_request"),
+    RequestValidationError: (400, "invalid_request_error", "bad_request"),
+    Unauthorized: (401, "authentication_error", "unauthorized"),
+    ModelNotFound: (404, "invalid_request_error", "bad_request"),
+    QueueFull: (429, "rate_limit_error", "rejected"),
+    NotReady: (503, "service_unavailable", "rejected"),
+    KVPoolExhausted: (503, "service_unavailable", "rejected"),
+    ForwardFailed: (500, "server_error", "error"),
+}
+RETRY_AFTER_S = {QueueFull: 1, NotReady: 5}
+
+
+def classify(exc: BaseException) -> tuple[int, str, str]:
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return 500, "server_error", "error"
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _loc(loc: tuple) -> str:
+    """("body", "input_ids", "list[list[int]]", 1, 0) -> "input_ids[1][0]"."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "query", "header") else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _TYPE_TAGS:
+            continue  # a union member's tag, not a field
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errs):
+        return "request body is not valid JSON", None
+    # A union field fails once per member: report the member that matched best (deepest error,
+    # then fewest errors), e.g. input_ids=[[1], ["a"]] -> "input_ids[1][0]", not "input_ids[0]".
+    branches: dict[str, list] = {}
+    for e in errs:
+        tag = next((p for p in e.get("loc", ()) if isinstance(p, str) and "[" in p), "")
+        branches.setdefault(tag, []).append(e)
+    if len(branches) > 1:
+        errs = max(branches.values(),
+                   key=lambda b: (max(len(e.get("loc", ())) for e in b), -len(b)))
+    parts, first = [], None
+    for e in errs[:4]:
+        field = _loc(tuple(e.get("loc", ())))
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        first = first or field or None
+        parts.append(f"{field}: {msg}" if field else msg)
+    return "invalid request: " + "; ".join(dict.fromkeys(parts)), first
+
+
+def install(app: FastAPI, count: Callable[[str], None]) -> None:
+    """Register handlers; `count(status_label)` feeds prefill_requests_total."""
+
+    def respond(exc: BaseException, message: str, param: str | None,
+                code: str | None) -> JSONResponse:
+        status, type_, label = classify(exc)
+        count(label)
+        headers = {}
+        for cls, secs in RETRY_AFTER_S.items():
+            if isinstance(exc, cls):
+                headers["Retry-After"] = str(secs)
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if status == 500:
+            log.warning("%d: %s", status, message)
+        return JSONResponse(error_body(message, type_, param, code or status), status,
+                            headers=headers)
+
+    @app.exception_handler(ServiceError)
+    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
+        return respond(exc, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return respond(exc, message, param, None)
+
+    for cls in (QueueFull, NotReady, KVPoolExhausted, ForwardFailed):
+        async def _engine(_: Request, exc: Exception) -> JSONResponse:
+            return respond(exc, str(exc), None, None)
+
+        app.add_exception_handler(cls, _engine)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_, None, exc.status_code),
+                            exc.status_code, headers=getattr(exc, "headers", None))

@@ -1,0 +1,117 @@
+"""Every Prometheus metric of the service, in base units, in one registry per app.
+
+Gauges that mirror engine numbers are read at scrape time from a plain-number snapshot; the
+counters and histograms are fed by the scheduler's observer hooks (called from the engine thread;
+prometheus_client is thread-safe) and by the routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REQUEST_STATUSES = ("ok", "bad_request", "rejected", "error", "cancelled", "unauthorized")
+FORWARD_MODES = ("graph", "eager")
+
+# snapshot key -> (metric name, help). Missing keys read as 0 (e.g. while loading).
+ENGINE_GAUGES: dict[str, tuple[str, str]] = {
+    "capture_bytes": ("prefill_graph_capture_memory_bytes",
+                      "Device memory taken by CUDA-graph capture."),
+    "capture_seconds": ("prefill_graph_capture_seconds", "Time spent capturing CUDA graphs."),
+    "retained_input_bytes": ("prefill_graph_retained_input_bytes",
+                             "Capture-only inputs kept alive after capture (DP gather path)."),
+    "graph_buckets": ("prefill_graph_buckets", "Number of captured CUDA-graph token buckets."),
+    "kv_tokens": ("prefill_kv_capacity_tokens", "Tokens the KV pool can hold."),
+    "kv_bytes": ("prefill_kv_memory_bytes", "Device memory of the KV pool."),
+    "kv_used_tokens": ("prefill_kv_used_tokens",
+                       "KV tokens (whole pages) held by in-flight requests."),
+    "kv_usage_ratio": ("prefill_kv_usage_ratio", "prefill_kv_used_tokens / capacity."),
+    "weights_bytes": ("prefill_weights_memory_bytes", "Device memory of the model weights."),
+    "mem_fraction_static": ("prefill_mem_fraction_static",
+                            "MEM_FRACTION_STATIC: share of free memory for weights+graphs+KV."),
+    "queue_requests": ("prefill_queue_requests", "Prompts waiting for admission."),
+    "ready": ("prefill_ready", "1 when the service accepts prefill requests."),
+}
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            60.0)
+_POW2 = tuple(float(1 << i) for i in range(0, 18))  # 1 .. 131072
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, float]]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot()
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(snap.get(key, 0.0)))
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for _, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc)
+
+
+class Metrics:
+    """The app's metrics; also the scheduler's Observer."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, float]]):
+        # NOTE: process-wide switch; `*_created` series only add noise to every dashboard query.
+        disable_created_metrics()
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("prefill_requests", "HTTP API requests by outcome.", ["status"],
+                                registry=r)
+        self.prompt_tokens = Counter("prefill_prompt_tokens", "Prompt tokens prefilled.",
+                                     registry=r)
+        self.cached_tokens = Counter("prefill_cached_tokens",
+                                     "Prompt tokens served from the prefix cache.", registry=r)
+        self.forwards = Counter("prefill_forwards", "Model forwards by execution mode.", ["mode"],
+                                registry=r)
+        self.ttft = Histogram("prefill_time_to_first_token_seconds",
+                              "Arrival to first token, per prompt.", buckets=_SECONDS, registry=r)
+        self.forward_seconds = Histogram("prefill_forward_seconds", "Duration of one forward.",
+                                         ["mode"], buckets=_SECONDS, registry=r)
+        self.batch_tokens = Histogram("prefill_batch_tokens", "Tokens in one forward.",
+                                      buckets=_POW2, registry=r)
+        self.batch_requests = Histogram("prefill_batch_requests", "Prompts in one forward.",
+                                        buckets=_POW2[:10], registry=r)
+        self.queue_wait = Histogram("prefill_queue_wait_seconds",
+                                    "Arrival to admission, per prompt.", buckets=_SECONDS,
+                                    registry=r)
+        for s in REQUEST_STATUSES:
+            self.requests.labels(s)
+        for m in FORWARD_MODES:
+            self.forwards.labels(m)
+            self.forward_seconds.labels(m)
+        r.register(_EngineCollector(snapshot))
+
+    def count(self, status: str) -> None:
+        assert status in REQUEST_STATUSES, f"unknown request status {status!r}"
+        self.requests.labels(status).inc()
+
+    # ---- scheduler Observer hooks (engine thread) --------------------------------------------
+    def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None:
+        self.forwards.labels(mode).inc()
+        self.forward_seconds.labels(mode).observe(seconds)
+        self.batch_tokens.observe(tokens)
+        self.batch_requests.observe(requests)
+
+    def on_admit(self, queue_wait_s: float) -> None:
+        self.queue_wait.observe(queue_wait_s)
+
+    def on_finish(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,35 @@
+"""Liveness, readiness and the operator's view of the engine (/info)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from service.api.deps import State
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health(state: State) -> JSONResponse:
+    """Liveness: 200 while the engine loop is alive (also while loading), 503 once it died."""
+    sched = state.scheduler
+    if sched.alive:
+        return JSONResponse({"status": "ok", "state": sched.state})
+    return JSONResponse({"status": "dead", "state": sched.state, "error": sched.error}, 503)
+
+
+@router.get("/ready")
+async def ready(state: State) -> JSONResponse:
+    """Readiness: 503 until load + capture + KV sizing are done, and while draining."""
+    if state.ready:
+        return JSONResponse({"status": "ready"})
+    reason = "draining" if state.draining else state.scheduler.state
+    return JSONResponse({"status": "not ready", "reason": reason, "error": state.scheduler.error},
+                        503, headers={"Retry-After": "5"})
+
+
+@router.get("/info")
+async def info(state: State) -> dict:
+    """Model, device, dtype, graph buckets and every term of the memory budget."""
+    return state.info()

@@ -1,0 +1,100 @@
+"""Between routes and scheduler: tokenize and check prompts, submit, await, handle disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from starlette.requests import Request as HTTPRequest
+from starlette.types import Receive
+
+from service.api.errors import BadInput, ClientDisconnected, ModelNotFound, PromptTooLong
+from service.api.state import AppState
+from service.engine.request import NotReady, PromptResult, Request
+from service.engine.sampling import SamplingParams
+
+
+def check_model(state: AppState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ModelNotFound(f"the model `{model}` does not exist; this server serves "
+                            f"`{state.model_name}` (see /v1/models)", "model", "model_not_found")
+
+
+def require_ready(state: AppState) -> None:
+    if state.draining:
+        raise NotReady("server is draining (shutting down); retry on another replica")
+    if state.scheduler.state != "ready":
+        err = f": {state.scheduler.error}" if state.scheduler.error else ""
+        raise NotReady(f"engine is {state.scheduler.state}{err}")
+
+
+def encode_texts(state: AppState, texts: Sequence[str], field: str,
+                 single: bool) -> list[list[int]]:
+    out = []
+    for i, text in enumerate(texts):
+        name = field if single else f"{field}[{i}]"
+        if not text:
+            raise BadInput(f"{name} is empty", name)
+        out.append(state.engine.tokenizer.encode(text))
+    return check_ids(state, out, field, single)
+
+
+def check_ids(state: AppState, prompts: list[list[int]], field: str,
+              single: bool) -> list[list[int]]:
+    vocab = state.engine.model_cfg.vocab_size
+    limit = state.max_prompt_tokens
+    if len(prompts) > state.engine_cfg.max_queue_requests:
+        raise BadInput(f"{field}: {len(prompts)} prompts in one request; at most "
+                       f"{state.engine_cfg.max_queue_requests} (MAX_QUEUE_REQUESTS)", field)
+    for i, ids in enumerate(prompts):
+        name = field if single else f"{field}[{i}]"
+        if not ids:
+            raise BadInput(f"{name} is empty (no tokens)", name)
+        if len(ids) > limit:
+            raise PromptTooLong(f"{name} has {len(ids)} tokens; the limit is {limit} "
+                                "(MAX_PROMPT_TOKENS, capped by the model's context length)",
+                                name, "context_length_exceeded")
+        for j, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "
+                               f"(0 <= id < {vocab})", f"{name}[{j}]")
+    return prompts
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_prompts(state: AppState, http: HTTPRequest, prompts: list[list[int]],
+                      params: SamplingParams) -> list[PromptResult]:
+    """Submit all prompts at once (they may share forwards) and await every result.
+
+    Client gone (disconnect, or this task cancelled): every prompt is cancelled, queued ones never
+    run and running ones free their KV pages once their current forward ends.
+    """
+    require_ready(state)
+    loop = asyncio.get_running_loop()
+    reqs = [Request(ids, params, loop) for ids in prompts]
+    state.scheduler.submit(reqs)
+    state.active_requests += 1
+    results = asyncio.gather(*(r.future for r in reqs))
+    # NOTE: when a prompt is cancelled, gather() ends with an exception nobody awaits any more;
+    # retrieve it so asyncio does not log "exception was never retrieved".
+    results.add_done_callback(lambda f: f.cancelled() or f.exception())
+    watcher = asyncio.ensure_future(_wait_disconnect(http.receive))
+    try:
+        await asyncio.wait({results, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not results.done():
+            raise ClientDisconnected()
+        return results.result()
+    except (asyncio.CancelledError, ClientDisconnected):
+        state.metrics.count("cancelled")
+        raise
+    finally:
+        state.active_requests -= 1
+        watcher.cancel()
+        for r in reqs:
+            if not r.future.done():
+                state.scheduler.cancel(r)
+        results.cancel()

@@ -1,0 +1,157 @@
+"""Request and response bodies: the native /v1/prefill API and the OpenAI completions subset."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+from service.engine.sampling import MAX_TOP_LOGPROBS
+
+TokenIds = list[StrictInt]
+
+
+class _Sampling(BaseModel):
+    """Sampling of the first token; greedy unless temperature > 0."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy (the default).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = off.")
+    seed: int | None = Field(None, ge=0, lt=1 << 63,
+                             description="Same seed + same prompt = same token.")
+
+
+class PrefillRequest(_Sampling):
+    """Exactly one of `prompt` (one text), `prompts` (texts) or `input_ids` (one or many)."""
+
+    model: str | None = Field(None, description="Optional; must name the served model if set.")
+    prompt: StrictStr | None = None
+    prompts: list[StrictStr] | None = Field(None, min_length=1)
+    input_ids: TokenIds | list[TokenIds] | None = Field(None, min_length=1)
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                              description="Alternatives reported for the next token.")
+    prompt_logprobs: bool = Field(False, description=(
+        "Return the logprob of every prompt token given its prefix (and its top_logprobs)."))
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PrefillRequest:
+        given = [n for n in ("prompt", "prompts", "input_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, prompts or input_ids"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+
+class TokenInfo(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class PromptTokenInfo(TokenInfo):
+    top_logprobs: list[TokenInfo] | None = None
+
+
+class PrefillResult(BaseModel):
+    index: int
+    prompt_tokens: int
+    cached_tokens: int
+    next_token: TokenInfo
+    top_logprobs: list[TokenInfo]
+    prompt_logprobs: list[PromptTokenInfo] | None = None  # one per prompt token; first: null
+    queue_ms: float
+    prefill_ms: float
+
+
+class PrefillUsage(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class PrefillResponse(BaseModel):
+    id: str
+    object: Literal["prefill"] = "prefill"
+    model: str
+    results: list[PrefillResult]
+    usage: PrefillUsage
+
+
+class CompletionRequest(_Sampling):
+    """The OpenAI legacy completions request, limited to what one prefill can answer."""
+
+    model: str | None = Field(None, description="Optional; must name the served model if set.")
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=0, description="0 or 1 (default 1) in this service.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # no effect on a first token
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # no effect on a first token
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["length", "stop"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "triton-prefill"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,118 @@
+"""Per-app state (no globals): configs, the scheduler, metrics, drain flag; plain-number views."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.api.metrics import Metrics
+from service.config import EngineConfig, ServerConfig
+from service.engine.scheduler import Scheduler
+
+
+def _device_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+@dataclass
+class AppState:
+    engine_cfg: EngineConfig
+    server_cfg: ServerConfig
+    scheduler: Scheduler
+    metrics: Metrics
+    draining: bool = False
+    active_requests: int = 0  # HTTP requests waiting on the engine (drain waits for 0)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler.state == "ready" and not self.draining
+
+    @property
+    def engine(self):  # noqa: ANN201 - EngineCore or a test double
+        return self.scheduler.engine
+
+    @property
+    def model_name(self) -> str:
+        if self.server_cfg.served_model_name:
+            return self.server_cfg.served_model_name
+        if self.engine_cfg.model_preset:
+            return f"random-{self.engine_cfg.model_preset}"
+        if self.engine is None:
+            return "loading"
+        path = Path(self.engine.model_path)
+        return path.stem if path.suffix == ".gguf" else path.name
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        limit = self.engine_cfg.max_prompt_tokens
+        if self.engine is not None:
+            limit = min(limit, self.engine.model_cfg.max_position_embeddings)
+        return limit
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def snapshot(self) -> dict[str, float]:
+        """Plain numbers for the scrape-time gauges."""
+        snap: dict[str, float] = {
+            "mem_fraction_static": self.engine_cfg.mem_fraction_static,
+            "queue_requests": self.scheduler.queue_depth,
+            "ready": 1.0 if self.ready else 0.0,
+        }
+        eng = self.engine
+        if eng is not None:
+            mem = eng.memory
+            for k in ("capture_bytes", "capture_seconds", "retained_input_bytes", "kv_bytes",
+                      "weights_bytes"):
+                snap[k] = getattr(mem, k)
+            cap, used = eng.pool.capacity_tokens, self.scheduler.kv_used_tokens
+            snap.update(kv_tokens=cap, kv_used_tokens=used,
+                        kv_usage_ratio=used / cap if cap else 0.0,
+                        graph_buckets=len(mem.buckets), mem_fraction_static=mem.mem_fraction_static)
+        return snap
+
+    def info(self) -> dict:
+        cfg = self.engine_cfg
+        out: dict = {
+            "state": "draining" if self.draining else self.scheduler.state,
+            "error": self.scheduler.error,
+            "model": self.model_name,
+            "device": cfg.device,
+            "dtype": cfg.dtype,
+            "dp_size": cfg.dp_size,
+            "limits": {
+                "max_prefill_tokens": cfg.max_prefill_tokens,
+                "max_prompt_tokens": self.max_prompt_tokens,
+                "max_queue_requests": cfg.max_queue_requests,
+                "max_batch_prompts": cfg.max_batch_prompts,
+                "max_body_bytes": self.server_cfg.max_body_bytes,
+            },
+        }
+        eng = self.engine
+        if eng is None:
+            return out
+        mem = eng.memory
+        out.update({
+            "model_path": eng.model_path,
+            "model_preset": cfg.model_preset,
+            "architecture": eng.model_cfg.arch,
+            "vocab_size": eng.model_cfg.vocab_size,
+            "device_name": _device_name(cfg.device),
+            "load_seconds": round(self.scheduler.load_seconds, 3),
+            "graph": {"enabled": bool(mem.buckets), "buckets": list(mem.buckets),
+                      "max_tokens": cfg.cuda_graph_max_tokens},
+            "memory": dataclasses.asdict(mem),
+            "kv": {"page_size": eng.pool.page_size, "capacity_tokens": eng.pool.capacity_tokens,
+                   "used_tokens": self.scheduler.kv_used_tokens,
+                   "prefix_cached_tokens": self.scheduler.kv_cached_tokens},
+            "prefix_cache": cfg.prefix_cache,
+            "forward_counts": dict(eng.forward_counts),
+        })
+        return out

@@ -1,0 +1,297 @@
+"""The engine loop: one worker thread owns the engine, batches queued prompts, resolves futures.
+
+Threads: the asyncio loop thread only calls `submit`/`cancel` (under the lock) and awaits futures;
+the engine thread loads the engine, forms batches, allocates/frees KV pages (through the prefix
+cache, the page allocator's only user) and runs every forward. Results cross back with
+`call_soon_threadsafe`.
+
+Policy: prompts already running (chunked prefill) continue first, then queued prompts are admitted
+strictly FIFO while the token budget, the prompt cap and the free (or evictable) KV pages allow. A
+prompt gets all its pages at admission, cached full pages of its prefix included, so a running
+prompt never waits for memory; a queue head that does not fit yet blocks those behind it (no
+starvation of large prompts); one that can never fit is refused at submission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from service.engine.batch import SeqChunk
+from service.engine.kv_pool import KVPoolExhausted
+from service.engine.pages import pages_for
+from service.engine.prefix_cache import PrefixCache, page_keys
+from service.engine.request import (
+    ForwardFailed,
+    NotReady,
+    NullObserver,
+    Observer,
+    PromptResult,
+    QueueFull,
+    Request,
+)
+
+__all__ = ["ForwardFailed", "NotReady", "PromptResult", "QueueFull", "Request", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class Scheduler:
+    def __init__(self, engine_factory: Callable[[], Any], *, max_queue: int,
+                 max_batch_prompts: int, max_logit_rows: int = 2048,
+                 prefix_cache: bool = True, observer: Observer | None = None):
+        self._factory = engine_factory
+        self.max_queue = max_queue
+        self.max_batch_prompts = max_batch_prompts
+        assert max_logit_rows >= 1, f"max_logit_rows must be >= 1, got {max_logit_rows}"
+        self.max_logit_rows = max_logit_rows  # all-token logits rows per forward (prompt lps)
+        self.observer = observer or NullObserver()
+        self.prefix_cache_enabled = prefix_cache
+        self.cache: PrefixCache | None = None  # built with the engine (it needs the allocator)
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self.engine: Any = None
+        self.state = "new"  # new -> loading -> ready -> stopped | failed
+        self.error: str | None = None
+        self.load_seconds = 0.0
+        self.loaded: asyncio.Future[None] | None = None
+
+    # ---- loop-thread side -------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loaded = loop.create_future()
+        self._loop = loop
+        self.state = "loading"
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.state in ("loading", "ready")
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """KV tokens (whole pages) held by in-flight requests; idle cached pages excluded."""
+        return self.cache.used_pages * self.cache.page_size if self.cache else 0
+
+    @property
+    def kv_cached_tokens(self) -> int:
+        """KV tokens in published prefix-cache pages (in use or evictable)."""
+        return self.cache.cached_pages * self.cache.page_size if self.cache else 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def submit(self, reqs: list[Request]) -> None:
+        """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
+        with self._cv:
+            if self.state != "ready" or self._stop:
+                why = f": {self.error}" if self.error else ""
+                raise NotReady(f"engine is {self.state}{why}")
+            alloc, ps = self.engine.pool.allocator, self.engine.pool.page_size
+            for r in reqs:
+                if pages_for(r.num_tokens, ps) > alloc.capacity:
+                    raise KVPoolExhausted(
+                        f"a prompt of {r.num_tokens} tokens needs {pages_for(r.num_tokens, ps)} "
+                        f"KV pages; the pool has {alloc.capacity} ({alloc.capacity * ps} tokens)")
+            if len(self._waiting) + len(reqs) > self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} prompts queued, limit {self.max_queue}")
+            self._waiting.extend(reqs)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        """Client gone: a queued request never runs; a running one frees its pages after its
+        current forward."""
+        with self._cv:
+            req.cancelled = True
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._cv.notify()
+        req.future.cancel()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._cv:
+            pending = list(self._waiting) + list(self._running)
+            self._waiting.clear()
+            for r in pending:
+                self._post(r, None, NotReady("server is shutting down"))
+            if self.state in ("loading", "ready"):
+                self.state = "stopped"
+
+    # ---- engine-thread side -----------------------------------------------------------------
+    def _post(self, r: Request, result: Any, exc: BaseException | None) -> None:
+        try:
+            r.loop.call_soon_threadsafe(_resolve, r.future, result, exc)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+    def _main(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
+            log.exception("engine failed to load")
+            self._fail(f"engine failed to load: {type(e).__name__}: {e}")
+            return
+        with self._cv:
+            self.engine = engine
+            self.cache = PrefixCache(engine.pool.allocator, engine.pool.page_size,
+                                     self.prefix_cache_enabled)
+            self.load_seconds = time.perf_counter() - t0
+            if self.state == "loading":
+                self.state = "ready"
+        self._post_loaded(None)
+        try:
+            while (batch := self._next_batch()) is not None:
+                self._run(batch)
+        except BaseException as e:  # noqa: BLE001 - a bug here must not hang clients
+            log.exception("engine loop died")
+            self._fail(f"engine loop died: {type(e).__name__}: {e}")
+        finally:
+            with self._cv:
+                self.cache.clear()
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001
+                log.exception("engine close failed")
+
+    def _post_loaded(self, exc: BaseException | None) -> None:
+        if self.loaded is not None:
+            try:
+                self._loop.call_soon_threadsafe(_resolve, self.loaded, None, exc)
+            except RuntimeError:
+                pass
+
+    def _fail(self, msg: str) -> None:
+        with self._cv:
+            self.state, self.error = "failed", msg
+            pending = list(self._waiting) + list(self._running)
+            self._waiting.clear()
+            self._running.clear()
+        for r in pending:
+            self._post(r, None, NotReady(msg))
+        self._post_loaded(RuntimeError(msg))
+
+    def _release(self, r: Request) -> None:
+        """Free a request's pages and drop it from the running set (engine thread, lock held)."""
+        if r.pages:
+            self.cache.release(r.pages)
+            r.pages = []
+        if r in self._running:
+            self._running.remove(r)
+
+    def _next_batch(self) -> list[tuple[Request, SeqChunk]] | None:
+        with self._cv:
+            while True:
+                if self._stop:
+                    return None
+                for r in [r for r in self._running if r.cancelled]:
+                    self._release(r)
+                batch = self._form_batch()
+                if batch:
+                    return batch
+                self._cv.wait()
+
+    def _form_batch(self) -> list[tuple[Request, SeqChunk]]:
+        pool = self.engine.pool
+        budget, rows = self.engine.max_batch_tokens, self.max_logit_rows
+        out: list[tuple[Request, SeqChunk]] = []
+
+        def take(r: Request) -> None:
+            nonlocal budget, rows
+            n = min(r.num_tokens - r.done, budget)
+            if r.params.prompt_logprobs:  # the first such chunk always gets rows >= 1
+                n = min(n, rows)
+                rows -= n
+            if n > 0:
+                out.append((r, r.chunk(n, pool.page_size)))
+                budget -= n
+
+        for r in self._running:
+            if len(out) >= self.max_batch_prompts or budget <= 0:
+                return out
+            take(r)
+        while self._waiting and len(out) < self.max_batch_prompts and budget > 0:
+            r = self._waiting[0]
+            ps, cache = pool.page_size, self.cache
+            if r.keys is None:
+                r.keys = page_keys(r.token_ids, ps) if cache.enabled else []
+            # Prompt logprobs need logits at every position: such prompts reuse nothing. At least
+            # the last token is always computed (its logits give the first token).
+            reuse = [] if r.params.prompt_logprobs else cache.match(
+                r.keys, (r.num_tokens - 1) // ps)
+            need = pages_for(r.num_tokens, ps) - len(reuse)
+            if need > cache.available_pages:
+                cache.release(reuse)
+                break  # FIFO: wait for pages rather than let smaller prompts overtake
+            self._waiting.popleft()
+            r.pages = reuse + cache.alloc(need)
+            r.cached = r.done = len(reuse) * ps
+            r.admitted_at = time.perf_counter()
+            self.observer.on_admit(r.admitted_at - r.arrival)
+            self._running.append(r)
+            take(r)
+        return out
+
+    def _run(self, batch: list[tuple[Request, SeqChunk]]) -> None:
+        chunks = [c for _, c in batch]
+        try:
+            out = self.engine.forward(chunks)
+        except Exception as e:  # noqa: BLE001 - fail this batch only, keep serving
+            log.exception("forward of %d chunks failed", len(chunks))
+            err = ForwardFailed(f"forward failed: {type(e).__name__}: {e}")
+            with self._cv:
+                for r, _ in batch:
+                    self._release(r)
+                    self._post(r, None, err)
+            return
+        self.observer.on_forward(out.mode, out.seconds, sum(c.num_tokens for c in chunks),
+                                 len(chunks))
+        finished: list[tuple[Request, PromptResult | None, BaseException | None]] = []
+        for (r, c), logits in zip(batch, out.logits):
+            if r.cancelled:
+                finished.append((r, None, None))
+                continue
+            try:
+                r.done += c.num_tokens
+                self.cache.insert(r.keys or [], r.pages, r.done)
+                res = r.absorb(c, logits)
+            except Exception as e:  # noqa: BLE001 - a sampling bug fails this prompt only
+                log.exception("post-processing failed")
+                finished.append((r, None, ForwardFailed(f"{type(e).__name__}: {e}")))
+                continue
+            if res is not None:
+                finished.append((r, res, None))
+        with self._cv:
+            for r, res, exc in finished:
+                self._release(r)
+                if res is not None:
+                    self.observer.on_finish(time.perf_counter() - r.arrival, r.num_tokens,
+                                            r.cached)
+                if not r.cancelled:
+                    self._post(r, res, exc)

@@ -1,0 +1,188 @@
+"""Fixtures for the API tests: one real SmolLM2 engine per session, cheap apps around it.
+
+Apps run on a background event-loop thread with their lifespan entered, and are driven through
+`httpx.AsyncClient(transport=ASGITransport(app))`; tests call the sync helpers (`get`, `post`,
+`run`). Every app's engine is a `TestEngine` proxy of the shared core, which can slow down or
+fail forwards on demand, so building an app costs no model load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from service.api.app import create_app
+from service.config import load_settings, resolve
+
+FAULT_TOKEN = 31337  # a prompt containing this id makes TestEngine.forward raise
+
+
+class TestEngine:
+    """Proxy of the real EngineCore with fault/slowness injection and a forward log."""
+
+    __test__ = False
+
+    def __init__(self, core: Any, max_batch_tokens: int | None = None):
+        self._core = core
+        self._max_batch_tokens = max_batch_tokens
+        self.delay_s = 0.0
+        self.fault_token: int | None = FAULT_TOKEN
+        self.forwards: list[list[tuple[int, ...]]] = []  # token ids of every chunk, per forward
+        self._lock = threading.Lock()  # apps of one test may share the core
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self._max_batch_tokens or self._core.max_batch_tokens
+
+    def forward(self, chunks: list) -> Any:
+        self.forwards.append([c.token_ids for c in chunks])
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fault_token is not None and any(self.fault_token in c.token_ids for c in chunks):
+            raise RuntimeError("injected fault")
+        with self._lock:
+            return self._core.forward(chunks)
+
+    def close(self) -> None:
+        pass
+
+
+class LiveApp:
+    """An app with its lifespan running on a private event-loop thread."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.run(self._start())
+
+    async def _start(self) -> None:
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(self.app),
+                                        base_url="http://test", timeout=120)
+
+    async def _stop(self) -> None:
+        await self.client.aclose()
+        await self._lifespan.__aexit__(None, None, None)
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.prefill
+
+    @property
+    def engine(self) -> TestEngine:
+        return self.state.engine
+
+    def run(self, coro: Any, timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Any) -> Any:
+        """Start `coro` on the app's loop; returns a concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return self.run(self.client.get(path, **kw))
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        return self.run(self.client.post(path, **kw))
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        wait_for(lambda: self.get("/ready").status_code == 200, timeout, "/ready")
+
+    def close(self) -> None:
+        try:
+            self.run(self._stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def configs(**env: Any) -> tuple[Any, Any]:
+    return resolve(load_settings({k.upper(): str(v) for k, v in env.items()}), False)
+
+
+@pytest.fixture(scope="session")
+def core() -> Any:
+    """The real engine on the default model (embedded SmolLM2-135M GGUF), loaded once."""
+    from service.engine.core import EngineCore
+
+    eng = EngineCore(configs()[0])
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def make_app(core: Any) -> Iterator[Callable[..., LiveApp]]:
+    """make_app(env overrides..., engine_factory=None, max_batch_tokens=None) -> ready LiveApp."""
+    apps: list[LiveApp] = []
+
+    def make(engine_factory: Callable | None = None, max_batch_tokens: int | None = None,
+             wait: bool = True, on_fatal: Callable | None = None, **env: Any) -> LiveApp:
+        eng_cfg, srv_cfg = configs(**env)
+        factory = engine_factory or (lambda cfg: TestEngine(core, max_batch_tokens))
+        live = LiveApp(create_app(engine_cfg=eng_cfg, server_cfg=srv_cfg,
+                                  engine_factory=factory, on_fatal=on_fatal))
+        apps.append(live)
+        if wait:
+            live.wait_ready()
+        return live
+
+    yield make
+    for live in apps:
+        live.close()
+    assert core.pool.used_tokens == 0, "a test leaked KV pages"
+
+
+@pytest.fixture
+def api(make_app: Callable[..., LiveApp]) -> LiveApp:
+    """A ready app with default settings."""
+    return make_app()
+
+
+@pytest.fixture
+def served(make_app: Callable[..., LiveApp]) -> Iterator[Callable[..., str]]:
+    """served(**env) -> base URL of an app under a real uvicorn on a free loopback port."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def serve(**env: Any) -> str:
+        live = make_app(**env)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(live.app, host="127.0.0.1", port=port,
+                                               lifespan="off", log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        wait_for(lambda: server.started, 10, "uvicorn start")
+        return f"http://127.0.0.1:{port}"
+
+    yield serve
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)

@@ -1,0 +1,68 @@
+"""/health, /ready, /info, /v1/models; loading and a failed load."""
+
+from __future__ import annotations
+
+import threading
+
+from tests.api.conftest import TestEngine, wait_for
+
+
+def test_ready_app_endpoints(api) -> None:
+    assert api.get("/health").json() == {"status": "ok", "state": "ready"}
+    assert api.get("/ready").status_code == 200
+    info = api.get("/info").json()
+    assert info["state"] == "ready" and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["model_path"].endswith(".gguf")
+    assert info["graph"]["enabled"] is False
+    mem = info["memory"]
+    for key in ("weights_bytes", "capture_bytes", "retained_input_bytes", "kv_bytes", "kv_tokens",
+                "mem_fraction_static", "free_before_bytes", "reserve_bytes"):
+        assert key in mem, key
+    assert mem["weights_bytes"] > 0 and mem["kv_tokens"] == info["kv"]["capacity_tokens"] > 0
+    assert info["load_seconds"] >= 0
+    models = api.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert models["data"][0]["object"] == "model"
+
+
+def test_health_answers_while_loading(make_app, core) -> None:
+    release = threading.Event()
+
+    def slow_factory(cfg):
+        release.wait(30)
+        return TestEngine(core)
+
+    live = make_app(engine_factory=slow_factory, wait=False)
+    try:
+        assert live.get("/health").json() == {"status": "ok", "state": "loading"}
+        r = live.get("/ready")
+        assert r.status_code == 503 and r.json()["reason"] == "loading"
+        assert live.get("/info").json()["state"] == "loading"
+        r = live.post("/v1/prefill", json={"prompt": "Hi"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        assert r.headers["retry-after"]
+        assert live.get("/v1/models").status_code == 503
+        metrics = live.get("/metrics").text
+        assert "prefill_ready 0.0" in metrics
+    finally:
+        release.set()
+    live.wait_ready()
+    assert "prefill_ready 1.0" in live.get("/metrics").text
+
+
+def test_failed_load_reports_dead(make_app) -> None:
+    fatal: list[str] = []
+
+    def broken(cfg):
+        raise FileNotFoundError("no weights at /nowhere")
+
+    live = make_app(engine_factory=broken, wait=False, on_fatal=fatal.append)
+    wait_for(lambda: live.get("/health").status_code == 503, 10, "/health 503")
+    body = live.get("/health").json()
+    assert body["state"] == "failed" and "no weights at /nowhere" in body["error"]
+    assert live.get("/ready").status_code == 503
+    r = live.post("/v1/prefill", json={"prompt": "Hi"})
+    assert r.status_code == 503 and "no weights" in r.json()["error"]["message"]
+    wait_for(lambda: bool(fatal), 5, "on_fatal")
+    assert "FileNotFoundError" in fatal[0]

@@ -1,0 +1,81 @@
+"""/metrics: every name operators and the deployment rely on, parsed and promtool-checked."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+GAUGES = [
+    "prefill_graph_capture_memory_bytes", "prefill_graph_capture_seconds",
+    "prefill_graph_retained_input_bytes", "prefill_kv_capacity_tokens", "prefill_kv_memory_bytes",
+    "prefill_kv_used_tokens", "prefill_kv_usage_ratio", "prefill_weights_memory_bytes",
+    "prefill_mem_fraction_static", "prefill_queue_requests", "prefill_ready",
+    "prefill_graph_buckets",
+]
+COUNTERS = {  # family name (without _total) -> label values that must exist from the start
+    "prefill_requests": {"status": {"ok", "bad_request", "rejected", "error", "cancelled",
+                                    "unauthorized"}},
+    "prefill_prompt_tokens": {},
+    "prefill_cached_tokens": {},
+    "prefill_forwards": {"mode": {"graph", "eager"}},
+}
+HISTOGRAMS = {
+    "prefill_time_to_first_token_seconds": {},
+    "prefill_forward_seconds": {"mode": {"graph", "eager"}},
+    "prefill_batch_tokens": {},
+    "prefill_batch_requests": {},
+    "prefill_queue_wait_seconds": {},
+}
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_every_metric_exists_before_traffic(api) -> None:
+    fams = families(api.get("/metrics").text)
+    for name in GAUGES:
+        assert fams[name].type == "gauge", name
+    for name, labels in {**COUNTERS, **HISTOGRAMS}.items():
+        fam = fams[name]
+        assert fam.type == ("counter" if name in COUNTERS else "histogram"), name
+        for key, values in labels.items():
+            assert {s.labels[key] for s in fam.samples if key in s.labels} == values, name
+    value = {n: fams[n].samples[0].value for n in GAUGES}
+    assert value["prefill_ready"] == 1.0 and value["prefill_kv_capacity_tokens"] > 0
+    assert value["prefill_kv_memory_bytes"] > 0 and value["prefill_weights_memory_bytes"] > 0
+    assert value["prefill_mem_fraction_static"] == 0.85
+    assert value["prefill_kv_used_tokens"] == 0 and value["prefill_queue_requests"] == 0
+
+
+def test_metrics_count_traffic(api) -> None:
+    api.post("/v1/prefill", json={"prompts": ["The capital of France is", "Hello"]})
+    api.post("/v1/prefill", json={"prompt": ""})
+    fams = families(api.get("/metrics").text)
+
+    def sample(fam: str, name: str, **labels: str) -> float:
+        return next(s.value for s in fams[fam].samples
+                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert sample("prefill_requests", "prefill_requests_total", status="ok") == 1
+    assert sample("prefill_requests", "prefill_requests_total", status="bad_request") == 1
+    assert sample("prefill_prompt_tokens", "prefill_prompt_tokens_total") == 6
+    assert sample("prefill_forwards", "prefill_forwards_total", mode="eager") >= 1
+    ttft = "prefill_time_to_first_token_seconds"
+    assert sample(ttft, ttft + "_count") == 2
+    assert sample("prefill_forward_seconds", "prefill_forward_seconds_count", mode="eager") >= 1
+
+
+def test_promtool_check_metrics(api) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+    api.post("/v1/prefill", json={"prompt": "Hello"})
+    text = api.get("/metrics").text
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), (
+        res.stdout + res.stderr)

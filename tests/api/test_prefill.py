@@ -1,0 +1,140 @@
+"""POST /v1/prefill: inputs, first token, logprobs, sampling, batching, chunking."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+FRANCE = "The capital of France is"
+
+
+def prefill(api, **body):
+    r = api.post("/v1/prefill", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_single_prompt_greedy(api) -> None:
+    out = prefill(api, prompt=FRANCE, top_logprobs=5)
+    assert out["object"] == "prefill" and out["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    (res,) = out["results"]
+    assert res["next_token"]["text"] == " Paris"
+    assert res["prompt_tokens"] == 5 and res["cached_tokens"] == 0
+    assert res["prompt_logprobs"] is None
+    top = res["top_logprobs"]
+    assert len(top) == 5 and top[0]["id"] == res["next_token"]["id"]
+    assert top[0]["logprob"] == pytest.approx(res["next_token"]["logprob"])
+    assert all(a["logprob"] >= b["logprob"] for a, b in zip(top, top[1:]))
+    assert sum(math.exp(t["logprob"]) for t in top) <= 1.0 + 1e-5
+    assert res["queue_ms"] >= 0 and res["prefill_ms"] > 0
+    assert out["usage"] == {"prompt_tokens": 5, "cached_tokens": 0}
+
+
+def test_input_forms_agree(api, core) -> None:
+    ids = core.tokenizer.encode(FRANCE)
+    a = prefill(api, prompt=FRANCE)["results"][0]["next_token"]
+    b = prefill(api, input_ids=ids)["results"][0]["next_token"]
+    many = prefill(api, prompts=[FRANCE, "Hello"])["results"]
+    many_ids = prefill(api, input_ids=[ids, core.tokenizer.encode("Hello")])["results"]
+    assert a["id"] == b["id"] == many[0]["next_token"]["id"] == many_ids[0]["next_token"]["id"]
+    assert [r["index"] for r in many] == [0, 1]
+    assert many[1]["next_token"]["id"] == many_ids[1]["next_token"]["id"]
+
+
+def test_prompt_logprobs_match_manual(api, core) -> None:
+    """Each prompt token's logprob equals log_softmax of the solo forward of its prefix."""
+    res = prefill(api, prompt=FRANCE, prompt_logprobs=True, top_logprobs=2)["results"][0]
+    plp = res["prompt_logprobs"]
+    ids = core.tokenizer.encode(FRANCE)
+    assert [p["id"] for p in plp] == ids
+    assert plp[0]["logprob"] is None and plp[0]["top_logprobs"] is None
+    for i in (2, 4):  # prefix of i tokens predicts token i
+        solo = prefill(api, input_ids=ids[:i], top_logprobs=20)["results"][0]["top_logprobs"]
+        by_id = {t["id"]: t["logprob"] for t in solo}
+        if ids[i] in by_id:
+            assert plp[i]["logprob"] == pytest.approx(by_id[ids[i]], abs=1e-4)
+        assert plp[i]["top_logprobs"][0]["id"] == solo[0]["id"]
+        assert len(plp[i]["top_logprobs"]) == 2
+
+
+def test_seeded_sampling_is_reproducible(api) -> None:
+    body = dict(prompt="Once upon a time", temperature=1.5, top_p=0.95, top_k=50)
+    picks = {prefill(api, seed=7, **body)["results"][0]["next_token"]["id"] for _ in range(3)}
+    assert len(picks) == 1
+    seeds = {prefill(api, seed=s, **body)["results"][0]["next_token"]["id"] for s in range(12)}
+    assert len(seeds) > 1, "different seeds should explore different tokens at T=1.5"
+    greedy = prefill(api, prompt=FRANCE, temperature=0.9, top_k=1)["results"][0]
+    assert greedy["next_token"]["text"] == " Paris"
+
+
+def _hist(api, name: str) -> dict[str, float]:
+    fams = {f.name: f for f in text_string_to_metric_families(api.get("/metrics").text)}
+    return {s.labels.get("le", s.name): s.value for s in fams[name].samples
+            if s.name.endswith("_bucket")}
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
+           "The quick brown fox", "1, 2, 3, 4,", "My favourite colour is", "Hello", "In 1969,"]
+
+
+def test_concurrent_requests_are_batched_and_match_solo(api) -> None:
+    solo = [prefill(api, prompt=p, top_logprobs=3)["results"][0] for p in PROMPTS]
+    api.engine.delay_s = 0.2  # let the queue fill while the first forward runs
+
+    async def burst():
+        return await asyncio.gather(*(api.client.post(
+            "/v1/prefill", json={"prompt": p, "top_logprobs": 3}) for p in PROMPTS))
+
+    together = [r.json()["results"][0] for r in api.run(burst())]
+    for s, t in zip(solo, together):
+        assert t["next_token"]["id"] == s["next_token"]["id"]
+        assert t["next_token"]["logprob"] == pytest.approx(s["next_token"]["logprob"], abs=1e-4)
+        assert [x["id"] for x in t["top_logprobs"]] == [x["id"] for x in s["top_logprobs"]]
+    batches = _hist(api, "prefill_batch_requests")
+    assert batches["+Inf"] > batches["1.0"], f"no forward had more than one prompt: {batches}"
+    assert any(len(f) > 1 for f in api.engine.forwards)
+
+
+def test_long_prompt_is_chunked_and_matches_whole(make_app, core) -> None:
+    whole_app = make_app()
+    text = " ".join(PROMPTS * 3)
+    whole = prefill(whole_app, prompt=text, prompt_logprobs=True)["results"][0]
+    chunked_app = make_app(max_batch_tokens=16)
+    chunked = prefill(chunked_app, prompt=text, prompt_logprobs=True)["results"][0]
+    n = whole["prompt_tokens"]
+    assert n > 48
+    assert len(chunked_app.engine.forwards) >= n // 16
+    assert max(sum(len(c) for c in f) for f in chunked_app.engine.forwards) <= 16
+    assert chunked["next_token"]["id"] == whole["next_token"]["id"]
+    assert chunked["next_token"]["logprob"] == pytest.approx(whole["next_token"]["logprob"],
+                                                             abs=1e-4)
+    for a, b in zip(chunked["prompt_logprobs"][1:], whole["prompt_logprobs"][1:]):
+        assert a["id"] == b["id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+
+
+def test_prefix_cache_reuse_matches_recompute(make_app) -> None:
+    text = " ".join(PROMPTS * 2)  # ~70 tokens: 4 full 16-token pages
+    live = make_app()
+    cold = prefill(live, prompt=text, top_logprobs=5)["results"][0]
+    warm = prefill(live, prompt=text + " and then", top_logprobs=5)["results"][0]
+    again = prefill(live, prompt=text, top_logprobs=5)["results"][0]
+    n = cold["prompt_tokens"]
+    assert cold["cached_tokens"] == 0
+    assert warm["cached_tokens"] == (n // 16) * 16
+    assert again["cached_tokens"] == ((n - 1) // 16) * 16
+    assert again["next_token"]["id"] == cold["next_token"]["id"]
+    assert again["next_token"]["logprob"] == pytest.approx(cold["next_token"]["logprob"], abs=1e-4)
+    for a, b in zip(again["top_logprobs"], cold["top_logprobs"]):
+        assert a["id"] == b["id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+    metrics = live.get("/metrics").text
+    cached = warm["cached_tokens"] + again["cached_tokens"]
+    assert f"prefill_cached_tokens_total {float(cached)}" in metrics
+    assert "prefill_kv_used_tokens 0.0" in metrics
+    info = live.get("/info").json()
+    assert info["prefix_cache"] is True and info["kv"]["prefix_cached_tokens"] >= 64
+    off = make_app(prefix_cache="false")
+    prefill(off, prompt=text)
+    assert prefill(off, prompt=text)["results"][0]["cached_tokens"] == 0

@@ -1,0 +1,261 @@
+"""Scheduler policy with a fake engine: FIFO admission, budgets, chunking, pages, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from service.engine.core import ForwardOutput
+from service.engine.kv_pool import KVPoolExhausted, PageAllocator
+from service.engine.sampling import SamplingParams
+from service.engine.scheduler import ForwardFailed, NotReady, QueueFull, Request, Scheduler
+
+V = 64
+
+
+class FakePool:
+    def __init__(self, pages: int, page_size: int):
+        self.allocator = PageAllocator(pages + 1)
+        self.page_size = page_size
+
+    @property
+    def used_tokens(self) -> int:
+        return (self.allocator.capacity - self.allocator.num_free) * self.page_size
+
+
+class FakeEngine:
+    """Logits put 5.0 on (token + 1) % V; forwards wait for a permit unless `free_run`."""
+
+    def __init__(self, pages: int = 8, page_size: int = 4, budget: int = 16):
+        self.pool = FakePool(pages, page_size)
+        self.max_batch_tokens = budget
+        self.calls: list[list] = []
+        self.permits = threading.Semaphore(0)
+        self.free_run = True
+        self.fail_token: int | None = None
+        self.closed = False
+
+    def forward(self, chunks):
+        self.calls.append(list(chunks))
+        if not self.free_run:
+            assert self.permits.acquire(timeout=5), "test never released this forward"
+        if self.fail_token is not None and any(self.fail_token in c.token_ids for c in chunks):
+            raise RuntimeError("boom")
+        out = []
+        for c in chunks:
+            rows = c.token_ids if c.all_logits else c.token_ids[-1:]
+            logits = torch.zeros(len(rows), V)
+            logits[torch.arange(len(rows)), torch.tensor([(t + 1) % V for t in rows])] = 5.0
+            out.append(logits)
+        return ForwardOutput(out, "eager", 0.001)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def started(engine: FakeEngine, **kw) -> Scheduler:
+    kw.setdefault("max_queue", 16)
+    kw.setdefault("max_batch_prompts", 8)
+    s = Scheduler(lambda: engine, **kw)
+    s.start(asyncio.get_running_loop())
+    await s.loaded
+    return s
+
+
+def req(ids, **params) -> Request:
+    return Request(list(ids), SamplingParams(**params), asyncio.get_running_loop())
+
+
+async def until(cond, what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_batches_and_results() -> None:
+    async def main():
+        eng = FakeEngine()
+        s = await started(eng)
+        a, b = req([1, 2, 3]), req([10, 11])
+        s.submit([a, b])
+        ra, rb = await a.future, await b.future
+        assert (ra.next.token.id, rb.next.token.id) == (4, 12)
+        assert ra.prompt_tokens == 3 and ra.cached_tokens == 0 and ra.prompt_logprobs is None
+        assert len(eng.calls) == 1 and len(eng.calls[0]) == 2  # one forward, both prompts
+        assert s.kv_used_tokens == 0
+        s.stop()
+        assert eng.closed and eng.pool.used_tokens == 0
+
+    run(main())
+
+
+def test_chunked_prefill_and_prompt_logprobs() -> None:
+    async def main():
+        eng = FakeEngine(pages=8, page_size=4, budget=5)
+        s = await started(eng)
+        ids = list(range(20, 32))  # 12 tokens -> chunks of 5, 5, 2
+        r = req(ids, prompt_logprobs=True, top_logprobs=2)
+        s.submit([r])
+        res = await r.future
+        chunks = [c[0] for c in eng.calls]
+        assert [(c.prefix_len, len(c.token_ids)) for c in chunks] == [(0, 5), (5, 5), (10, 2)]
+        assert [len(c.pages) for c in chunks] == [2, 3, 3]
+        assert len({c.pages[0] for c in chunks}) == 1  # the same pages throughout
+        assert res.next.token.id == 32
+        assert [p.token.id for p in res.prompt_logprobs] == ids[1:]
+        assert all(p.top[0].id == p.token.id for p in res.prompt_logprobs)
+        s.stop()
+
+    run(main())
+
+
+def test_token_budget_and_prompt_cap() -> None:
+    async def main():
+        eng = FakeEngine(pages=32, budget=8)
+        s = await started(eng, max_batch_prompts=2)
+        rs = [req([i + 1] * 3) for i in range(5)]
+        s.submit(rs)
+        await asyncio.gather(*(r.future for r in rs))
+        for call in eng.calls:
+            assert len(call) <= 2 and sum(len(c.token_ids) for c in call) <= 8
+        s.stop()
+
+    run(main())
+
+
+def test_fifo_large_prompt_is_not_starved() -> None:
+    async def main():
+        eng = FakeEngine(pages=4, page_size=4, budget=64)
+        eng.free_run = False
+        s = await started(eng)
+        small1 = req([1] * 8)  # 2 pages
+        s.submit([small1])
+        await until(lambda: len(eng.calls) == 1, "first forward")
+        big, small2 = req([2] * 16), req([3] * 4)  # big needs all 4 pages
+        s.submit([big, small2])
+        eng.permits.release()
+        await small1.future
+        await until(lambda: len(eng.calls) == 2, "second forward")
+        assert [c.token_ids[0] for c in eng.calls[1]] == [2], "small2 overtook the big prompt"
+        eng.permits.release()
+        await big.future
+        eng.permits.release()
+        await small2.future
+        s.stop()
+
+    run(main())
+
+
+def test_admission_errors() -> None:
+    async def main():
+        eng = FakeEngine(pages=4, page_size=4)
+        eng.free_run = False
+        s = await started(eng, max_queue=2)
+        with pytest.raises(KVPoolExhausted, match="needs 5 KV pages; the pool has 4"):
+            s.submit([req([1] * 17)])
+        first = req([1])
+        s.submit([first])
+        await until(lambda: len(eng.calls) == 1, "running")
+        s.submit([req([2])])
+        with pytest.raises(QueueFull, match="1 prompts queued, limit 2"):
+            s.submit([req([3]), req([4])])  # all or nothing
+        assert s.queue_depth == 1
+        eng.permits.release(4)
+        await first.future
+        s.stop()
+
+    run(main())
+
+
+def test_not_ready_and_stop_fail_pending() -> None:
+    async def main():
+        gate = threading.Event()
+        eng = FakeEngine()
+        s = Scheduler(lambda: gate.wait(5) and eng, max_queue=4, max_batch_prompts=4)
+        s.start(asyncio.get_running_loop())
+        with pytest.raises(NotReady, match="loading"):
+            s.submit([req([1])])
+        gate.set()
+        await s.loaded
+        eng.free_run = False
+        r1, r2 = req([1]), req([2] * 8)
+        s.submit([r1])
+        await until(lambda: eng.calls, "running")
+        s.submit([r2])
+        await asyncio.to_thread(s.stop, 0.2)  # r1's forward is still blocked
+        for r in (r1, r2):
+            with pytest.raises(NotReady, match="shutting down"):
+                await r.future
+        eng.permits.release(2)
+        assert s.state == "stopped"
+
+    run(main())
+
+
+def test_load_failure() -> None:
+    async def main():
+        def broken():
+            raise OSError("disk on fire")
+
+        s = Scheduler(broken, max_queue=4, max_batch_prompts=4)
+        s.start(asyncio.get_running_loop())
+        with pytest.raises(RuntimeError, match="disk on fire"):
+            await s.loaded
+        assert s.state == "failed" and "OSError: disk on fire" in s.error and not s.alive
+
+    run(main())
+
+
+def test_forward_failure_fails_only_its_batch() -> None:
+    async def main():
+        eng = FakeEngine()
+        eng.fail_token = 13
+        eng.free_run = False
+        s = await started(eng)
+        bad = req([13, 14])
+        s.submit([bad])
+        await until(lambda: eng.calls, "bad forward")
+        good = req([5, 6])
+        s.submit([good])
+        eng.permits.release(2)
+        with pytest.raises(ForwardFailed, match="RuntimeError: boom"):
+            await bad.future
+        assert (await good.future).next.token.id == 7
+        assert s.kv_used_tokens == 0 and s.alive
+        s.stop()
+
+    run(main())
+
+
+def test_cancel_queued_never_runs_and_running_frees_pages() -> None:
+    async def main():
+        eng = FakeEngine(budget=4)
+        eng.free_run = False
+        s = await started(eng)
+        running = req([1] * 10)  # 3 chunks of 4, 4, 2
+        s.submit([running])
+        await until(lambda: eng.calls, "first chunk")
+        queued = req([50, 51])
+        s.submit([queued])
+        s.cancel(queued)
+        s.cancel(running)
+        assert s.queue_depth == 0 and queued.future.cancelled()
+        assert s.kv_used_tokens > 0  # its forward is still running
+        eng.permits.release()
+        await until(lambda: s.kv_used_tokens == 0, "pages freed after the forward")
+        eng.permits.release(5)
+        await asyncio.sleep(0.05)
+        assert len(eng.calls) == 1, "a cancelled prompt was scheduled again"
+        s.stop()
+        assert eng.pool.used_tokens == 0
+
+    run(main())
