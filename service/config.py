@@ -68,6 +68,12 @@ class Settings(BaseSettings):
             raise ValueError("must be comma-separated positive integers, e.g. 16,64,256")
         return ",".join(str(x) for x in sorted(set(vals)))
 
+    @field_validator("log_level", "device", "dtype", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        """Operators write INFO or CUDA as often as info or cuda."""
+        return v.strip().lower() if isinstance(v, str) else v
+
     @field_validator("model_preset")
     @classmethod
     def _preset(cls, v: str | None) -> str | None:
