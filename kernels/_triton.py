@@ -1,0 +1,36 @@
+"""Import triton, or stand-ins that fail loudly at launch, so the `_ref` functions work without it.
+
+Triton ships for Linux x86-64 only; a CPU-only install (e.g. a laptop) still serves through the
+PyTorch references. Kernel modules import `triton`/`tl` from here instead of from triton directly.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+    class _Missing:
+        """Stands in for triton/tl: decorates silently, raises when anything is launched."""
+
+        def __getattr__(self, name: str) -> _Missing:
+            return self
+
+        def __call__(self, *args, **kwargs):
+            if len(args) == 1 and callable(args[0]) and not kwargs:
+                return self  # used as a decorator (@triton.jit)
+            raise ImportError(
+                "triton is not installed: the Triton kernels cannot run here. Install triton "
+                "(Linux x86-64 with CUDA) or use the PyTorch references (use_triton=False)."
+            )
+
+        def __getitem__(self, grid):
+            return self.__call__
+
+    triton = tl = _Missing()
+
+__all__ = ["HAS_TRITON", "triton", "tl"]

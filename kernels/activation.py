@@ -1,0 +1,63 @@
+"""SiLU-and-mul, the gated MLP activation of Llama: out = silu(x[:, :F]) * x[:, F:].
+
+Algorithm: elementwise, computed in fp32 and rounded once to the input dtype (vLLM's choice; the
+Hugging Face module rounds after silu and after the product, a difference well under bf16's step).
+Shapes: x (T, 2F) with a contiguous last dim (rows may be strided) -> out (T, F). Grid
+(T, cdiv(F, BLOCK_F)): each program reads 2 * BLOCK_F and writes BLOCK_F elements, memory-bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import tl, triton
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    n_cols,
+    stride_xt,
+    stride_ot,
+    BLOCK_F: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, block_f: int = 1024, wrap=None
+) -> torch.Tensor:
+    """x (T, 2F) -> silu(x[:, :F]) * x[:, F:] of shape (T, F), in x's dtype."""
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be (T, 2F), got {tuple(x.shape)}"
+    assert x.stride(1) == 1, "x: last dim must be contiguous"
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {x.dtype}"
+    T, F2 = x.shape
+    n = F2 // 2
+    if out is None:
+        out = torch.empty((T, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (T, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
+    if T == 0 or n == 0:
+        return out
+    block = min(block_f, triton.next_power_of_2(n))
+    kernel = wrap(_silu_and_mul_kernel) if wrap is not None else _silu_and_mul_kernel
+    kernel[(T, triton.cdiv(n, block))](
+        x, out, n, x.stride(0), out.stride(0), BLOCK_F=block, num_warps=4 if block >= 512 else 1
+    )
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference, fp32 math, one rounding."""
+    n = x.shape[-1] // 2
+    y = (torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()).to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

@@ -1,0 +1,62 @@
+"""Launch configurations of the extend-attention kernel: a small hand table, no autotuning.
+
+Autotuning is avoided on purpose: it would run inside CUDA-graph capture and on the latency path.
+The table is keyed on (device capability major, head_dim padded to >= 64) for bf16/fp16 and was
+picked from bench/attention.py on an H200 (bench/results/attention.md); edit it after re-running
+that benchmark on another GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tiles, warps and pipeline depth, plus the optional code paths of the kernel.
+
+    use_tma: TMA (tensor-descriptor) loads for the unmasked new-token blocks (Hopper+; ignored
+      for fp32 and padded D), used only when the batch has >= tma_min_tokens rows: building the
+      descriptors costs ~55 us of host time per launch, more than TMA saves on small batches.
+    heads_first: grid (H, q-blocks, B) instead of (q-blocks, H, B): the longest q-blocks of all
+      heads start first.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    heads_first: bool = False
+    tma_min_tokens: int = 4096
+
+
+# H200 (bench/results/attention.md): D=64 heads-first beat the (q-blocks, H, B) order by 5-19%;
+# D=128 with TMA beat plain loads by 4-6% from 4k tokens up; BLOCK_N 128 and 4 warps lost.
+CONFIGS: dict[tuple[int, int], AttnConfig] = {
+    (9, 64): AttnConfig(128, 64, 8, 3, heads_first=True),
+    (9, 128): AttnConfig(128, 64, 8, 3, use_tma=True),
+    (9, 256): AttnConfig(64, 64, 4, 2),
+}
+DEFAULTS = {
+    64: AttnConfig(128, 64, 4, 3),
+    128: AttnConfig(128, 64, 8, 3),
+    256: AttnConfig(64, 32, 4, 2),
+}
+FP32_CONFIG = AttnConfig(64, 32, 4, 2)
+INTERPRETER_CONFIG = AttnConfig(16, 16, 4, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> AttnConfig:
+    """The table entry for this head_dim, dtype and device (interpreter: the smallest tiles)."""
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        return FP32_CONFIG
+    d_key = max(64, 1 << (head_dim - 1).bit_length())
+    major, _ = torch.cuda.get_device_capability(device)
+    return CONFIGS.get((major, d_key), DEFAULTS[d_key])

@@ -1,0 +1,136 @@
+"""extend_attention (Triton) against extend_attention_ref on awkward shapes; ref against math."""
+
+import math
+
+import pytest
+import torch
+
+from kernels.extend_attention import (
+    INTERPRETER_CONFIG,
+    AttnConfig,
+    extend_attention,
+    extend_attention_ref,
+)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+# (q_len, prefix_len, page_size, H, KVH, D, dtype): lengths 1/7/63/65/200, prefixes 0 and
+# non-multiples of the page size, page sizes 1/16/64, GQA ratios 1/3/4/7, head_dim 64/128/80/96.
+SINGLE_CASES = [
+    (1, 0, 16, 4, 4, 64, F32),
+    (1, 23, 16, 3, 1, 128, BF16),
+    (7, 5, 1, 3, 1, 64, BF16),
+    (63, 0, 16, 4, 1, 128, F32),
+    (65, 37, 16, 7, 1, 64, BF16),
+    (65, 64, 64, 2, 2, 64, F16),
+    (200, 0, 64, 4, 2, 64, F32),
+    (200, 130, 64, 8, 2, 128, BF16),
+    (33, 100, 1, 6, 2, 80, F32),
+    (17, 16, 16, 4, 4, 96, BF16),
+]
+
+
+def _config(device):
+    return INTERPRETER_CONFIG if device == "cpu" else None
+
+
+def _run_and_check(batch, dtype, device, close, config=None, return_lse=False):
+    out = batch.poisoned_out()
+    res = extend_attention(
+        *batch.args(), return_lse=return_lse, out=out, config=config or _config(device)
+    )
+    ref = extend_attention_ref(*batch.args(torch.float32), return_lse=return_lse)
+    o, r = (res[0], ref[0]) if return_lse else (res, ref)
+    n = batch.n_valid
+    assert o.data_ptr() == out.data_ptr()
+    close(o[:n].float(), r[:n], dtype, "o")
+    assert torch.isnan(o[n:]).all(), "padded tail rows must be left untouched"
+    if return_lse:
+        close(res[1][:n], ref[1][:n], torch.float32, "lse")
+    return res
+
+
+@pytest.mark.parametrize("case", SINGLE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_single_sequence(case, device, close, attn_batch):
+    q_len, prefix, page_size, H, KVH, D, dtype = case
+    batch = attn_batch([q_len], [prefix], page_size, H, KVH, D, dtype, device)
+    _run_and_check(batch, dtype, device, close)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_mixed_batch_one_launch(dtype, device, close, attn_batch):
+    """Different lengths and prefixes, an empty sequence, scattered pages, a padded tail, lse."""
+    qlens, plens = [1, 0, 63, 65, 200, 7], [0, 5, 17, 64, 0, 33]
+    batch = attn_batch(qlens, plens, 16, 6, 2, 64, dtype, device, pad=5)
+    _run_and_check(batch, dtype, device, close, return_lse=True)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        AttnConfig(32, 16, 4, 1),
+        AttnConfig(16, 16, 4, 1, use_tma=True, tma_min_tokens=0),
+        AttnConfig(16, 16, 4, 1, heads_first=True),
+    ],
+    ids=str,
+)
+def test_config_variants(config, device, close, attn_batch):
+    """BLOCK_M > BLOCK_N; TMA loads of the new tokens; the heads-first grid."""
+    batch = attn_batch([40, 7, 70], [16, 9, 0], 16, 4, 1, 64, BF16, device, pad=3)
+    _run_and_check(batch, BF16, device, close, config=config, return_lse=True)
+
+
+def test_contiguous_inputs_and_explicit_scale(device, close, relerr, attn_batch):
+    batch = attn_batch([19, 33], [3, 0], 16, 4, 2, 64, F32, device, fused=False)
+    o = extend_attention(*batch.args(), sm_scale=0.3, config=_config(device))
+    ref = extend_attention_ref(*batch.args(), sm_scale=0.3)
+    close(o, ref, F32, "o")
+    assert relerr(o, extend_attention_ref(*batch.args())) > 1e-3  # the scale is really used
+
+
+def test_ref_matches_naive_math(attn_batch):
+    """The oracle itself, in float64 against dense per-head softmax written out by hand."""
+    qlens, plens, ps, H, KVH, D = [5, 9], [7, 0], 4, 6, 2, 16
+    batch = attn_batch(qlens, plens, ps, H, KVH, D, torch.float64, "cpu", fused=False)
+    o, lse = extend_attention_ref(*batch.args(), return_lse=True, chunk_size=3)
+    o_sdpa = extend_attention_ref(*batch.args(), chunk_size=4)
+    start = 0
+    for b, (n, P) in enumerate(zip(qlens, plens)):
+        slots = [int(batch.page_table[b, j // ps]) * ps + j % ps for j in range(P)]
+        keys = torch.cat([batch.k_cache[slots], batch.k[start : start + n]])
+        vals = torch.cat([batch.v_cache[slots], batch.v[start : start + n]])
+        for i in range(n):
+            for h in range(H):
+                kv = h // (H // KVH)
+                s = keys[: P + i + 1, kv] @ batch.q[start + i, h] / math.sqrt(D)
+                assert torch.allclose(lse[start + i, h].double(), torch.logsumexp(s, 0))
+                expect = torch.softmax(s, 0) @ vals[: P + i + 1, kv]
+                assert torch.allclose(o[start + i, h], expect)
+                assert torch.allclose(o_sdpa[start + i, h], expect)
+        start += n
+
+
+def test_no_tokens_is_a_no_op(device, attn_batch):
+    batch = attn_batch([0, 0], [3, 0], 16, 2, 2, 64, F32, device, pad=2)
+    out = batch.poisoned_out()
+    extend_attention(*batch.args(), out=out, config=_config(device))
+    assert torch.isnan(out).all()
+
+
+def test_launcher_asserts(device, attn_batch):
+    batch = attn_batch([5], [0], 16, 2, 2, 64, F32, device, fused=False)
+    q, k, v, kc, vc, cu, pl, pt, ps, mq = batch.args()
+    with pytest.raises(AssertionError, match="dtype"):
+        extend_attention(q.to(torch.int32), k, v, kc, vc, cu, pl, pt, ps, mq)
+    with pytest.raises(AssertionError, match="k is"):
+        extend_attention(q, k.to(BF16), v, kc, vc, cu, pl, pt, ps, mq)
+    with pytest.raises(AssertionError, match="contiguous"):
+        extend_attention(
+            q.transpose(1, 2).contiguous().transpose(1, 2), k, v, kc, vc, cu, pl, pt, ps, mq
+        )
+    with pytest.raises(AssertionError, match="int32"):
+        extend_attention(q, k, v, kc, vc, cu.long(), pl, pt, ps, mq)
+    with pytest.raises(AssertionError, match="multiple"):
+        extend_attention(
+            q.repeat(1, 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1), v, kc, vc, cu, pl, pt, ps, mq
+        )

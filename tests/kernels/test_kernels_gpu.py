@@ -1,0 +1,126 @@
+"""Real-size checks on CUDA (bf16 against an fp32 reference): 32k tokens, a 64-prompt batch,
+an 8k cached prefix, every table config, TMA, custom ops under opcheck and CUDA-graph capture."""
+
+import random
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.extend_attention import (
+    AttnConfig,
+    extend_attention,
+    extend_attention_ref,
+    pick_config,
+)
+from kernels.extend_attention_config import CONFIGS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+BF16 = torch.bfloat16
+
+
+def _check(batch, close, config=None, return_lse=False, chunk_size=4096):
+    out = batch.poisoned_out()
+    res = extend_attention(*batch.args(), return_lse=return_lse, out=out, config=config)
+    ref = extend_attention_ref(
+        *batch.args(torch.float32), return_lse=return_lse, chunk_size=chunk_size
+    )
+    n = batch.n_valid
+    o, r = (res[0], ref[0]) if return_lse else (res, ref)
+    close(o[:n].float(), r[:n], BF16, "o")
+    if return_lse:
+        close(res[1][:n], ref[1][:n], torch.float32, "lse")
+    assert torch.isnan(o[n:]).all(), "padded rows must stay untouched"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_single_32k_sequence(D, close, attn_batch):
+    batch = attn_batch([32768], [0], 16, 32, 8, D, BF16, "cuda")
+    _check(batch, close, chunk_size=2048)
+
+
+@pytest.mark.parametrize("H,KVH,D", [(32, 8, 128), (9, 3, 64), (28, 4, 128)])
+def test_batch_of_64_prompts_with_prefixes(H, KVH, D, close, attn_batch):
+    rng = random.Random(H * 1000 + D)
+    qlens = [rng.randint(1, 2000) for _ in range(64)]
+    plens = [rng.choice([0, rng.randint(1, 1500)]) for _ in range(64)]
+    qlens[5] = 0  # a sequence with no new tokens
+    batch = attn_batch(qlens, plens, 16, H, KVH, D, BF16, "cuda", pad=13)
+    _check(batch, close, return_lse=True, chunk_size=1024)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_extend_on_8k_prefix(page_size, use_tma, close, attn_batch):
+    batch = attn_batch([1000, 333], [8192, 8001], page_size, 32, 8, 128, BF16, "cuda")
+    cfg = pick_config(128, BF16, batch.q.device)
+    cfg = AttnConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, use_tma,
+                     tma_min_tokens=0)  # fmt: skip
+    _check(batch, close, config=cfg, return_lse=True, chunk_size=512)
+
+
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_every_head_dim_and_dtype_compiles(D, dtype, close, attn_batch):
+    batch = attn_batch([300, 1, 129], [77, 0, 16], 16, 8, 2, D, dtype, "cuda", pad=4)
+    out = batch.poisoned_out()
+    o = extend_attention(*batch.args(), out=out)
+    ref = extend_attention_ref(*batch.args(torch.float32))
+    n = batch.n_valid
+    # fp32 on the GPU runs its dots in full precision ("ieee"), so 1e-5 holds there too
+    close(o[:n].float(), ref[:n], dtype, f"D={D} {dtype}")
+
+
+@pytest.mark.parametrize("key", sorted(CONFIGS), ids=str)
+def test_table_configs(key, close, attn_batch):
+    major, d_pad = key
+    if torch.cuda.get_device_capability()[0] != major:
+        pytest.skip("config for another GPU generation")
+    batch = attn_batch([700, 64, 5], [100, 0, 3], 16, 8, 2, d_pad, BF16, "cuda", pad=2)
+    _check(batch, close, config=CONFIGS[key], return_lse=True)
+
+
+def test_custom_ops_opcheck():
+    x, w = torch.randn(5, 96, device="cuda", dtype=BF16), torch.randn(96, device="cuda", dtype=BF16)
+    torch.library.opcheck(torch.ops.prefill.rms_norm.default, (x, w, 1e-6, torch.empty_like(x)))
+    torch.library.opcheck(
+        torch.ops.prefill.fused_add_rms_norm.default, (x.clone(), x.clone(), w, 1e-6)
+    )
+    torch.library.opcheck(
+        torch.ops.prefill.silu_and_mul.default, (x, torch.empty(5, 48, device="cuda", dtype=BF16))
+    )
+
+
+def test_graph_capture_of_dense_ops_and_attention(close, attn_batch):
+    """No host sync inside any op: all of them capture into a CUDA graph and replay correctly."""
+    batch = attn_batch([100, 37], [20, 0], 16, 4, 2, 64, BF16, "cuda")
+    x = torch.randn(137, 256, device="cuda", dtype=BF16)
+    w = torch.randn(256, device="cuda", dtype=BF16)
+    out_norm = torch.empty_like(x)
+    out_act = torch.empty(137, 128, device="cuda", dtype=BF16)
+    out_attn = batch.poisoned_out()
+    args = batch.args()
+
+    def step():
+        ops.rms_norm(x, w, 1e-6, out=out_norm)
+        ops.silu_and_mul(x, out=out_act)
+        ops.extend_attention(*args, out=out_attn)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    x.copy_(torch.randn_like(x))
+    batch.q.copy_(torch.randn_like(batch.q))
+    graph.replay()
+    torch.cuda.synchronize()
+    close(out_norm.float(), ops.rms_norm(x.float(), w.float(), 1e-6, use_triton=False), BF16, "n")
+    close(out_act.float(), ops.silu_and_mul(x.float(), use_triton=False), BF16, "act")
+    ref = extend_attention_ref(*batch.args(torch.float32))
+    close(out_attn.float(), ref, BF16, "attention")

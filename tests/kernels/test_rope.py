@@ -1,0 +1,103 @@
+"""apply_rope (Triton) against apply_rope_ref; rope_cos_sin_cache against transformers' formulas."""
+
+import math
+
+import pytest
+import torch
+
+from kernels.rope import apply_rope, apply_rope_ref, rope_cos_sin_cache
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    "T,H,KVH,D,dtype,pos_dtype",
+    [
+        (1, 4, 4, 64, torch.float32, torch.int64),
+        (7, 9, 3, 64, torch.bfloat16, torch.int32),
+        (65, 32, 8, 128, torch.float16, torch.int64),
+        (5, 6, 2, 80, torch.float32, torch.int32),
+    ],
+)
+def test_apply_rope_fused_views(T, H, KVH, D, dtype, pos_dtype, device, close):
+    cache = rope_cos_sin_cache(D, 4096, 500000.0, LLAMA3)
+    qkv = torch.randn((T, (H + 2 * KVH) * D)).to(dtype)
+    positions = torch.randint(0, 4096, (T,), dtype=pos_dtype)
+    ref = qkv.clone()
+    ref_q, ref_k = apply_rope_ref(
+        ref[:, : H * D].view(T, H, D),
+        ref[:, H * D : (H + KVH) * D].view(T, KVH, D),
+        positions,
+        cache,
+    )
+    dev = qkv.to(device, copy=True)
+    q, k = dev[:, : H * D].view(T, H, D), dev[:, H * D : (H + KVH) * D].view(T, KVH, D)
+    apply_rope(q, k, positions.to(device), cache.to(device))
+    close(q.cpu().float(), ref_q.float(), dtype, "q")
+    close(k.cpu().float(), ref_k.float(), dtype, "k")
+    assert torch.equal(dev[:, (H + KVH) * D :].cpu(), qkv[:, (H + KVH) * D :]), "v untouched"
+    if dtype == torch.float32:  # the ref's formula against the complex-number definition
+        half = D // 2
+        x = qkv[:, : H * D].view(T, H, D).double()
+        cs = cache[positions.long()].double()[:, None]
+        z = torch.complex(x[..., :half], x[..., half:]) * torch.complex(
+            cs[..., :half], cs[..., half:]
+        )
+        close(ref_q.double(), torch.cat([z.real, z.imag], -1), dtype, "complex rotation")
+
+
+def _hf_llama3_inv_freq(dim, base, s):
+    """transformers' _compute_llama3_parameters, transcribed step by step."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    out = []
+    for f in inv_freq.tolist():
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(f)
+        elif wl > low_wl:
+            out.append(f / s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wl - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            out.append((1 - smooth) * f / s["factor"] + smooth * f)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3, {"rope_type": "default"}])
+def test_cos_sin_cache(scaling):
+    D, P, theta = 128, 300, 500000.0
+    cache = rope_cos_sin_cache(D, P, theta, scaling)
+    assert cache.shape == (P, D) and cache.dtype == torch.float32
+    if scaling is not None and scaling["rope_type"] == "llama3":
+        inv = _hf_llama3_inv_freq(D, theta, scaling)
+    else:
+        inv = 1.0 / (theta ** (torch.arange(0, D, 2).double() / D))
+    ang = torch.arange(P).double()[:, None] * inv[None, :]
+    expect = torch.cat([ang.cos(), ang.sin()], -1)
+    assert (cache.double() - expect).abs().max() < 5e-4  # fp32 angles at position < 300
+
+
+def test_unknown_scaling_raises():
+    with pytest.raises(ValueError, match="not supported"):
+        rope_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_asserts(device):
+    q = torch.randn(3, 2, 64, device=device)
+    cache = rope_cos_sin_cache(64, 8, 1e4).to(device)
+    pos = torch.zeros(3, dtype=torch.int64, device=device)
+    with pytest.raises(AssertionError, match="contiguous"):
+        apply_rope(q.transpose(1, 2).contiguous().transpose(1, 2), q.clone(), pos, cache)
+    with pytest.raises(AssertionError):
+        apply_rope(q, q.clone(), pos.float(), cache)
+    with pytest.raises(AssertionError):
+        apply_rope(q, q.clone(), pos, cache.double())
