@@ -46,8 +46,11 @@ from service.model.loader import random_model  # noqa: E402
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")
 LAT_TOKENS = (16, 64, 256, 1024, 4096, 8192)
 PAGE, FRACTION = 16, 0.85
+# Most informative first, so a tight --budget-s still yields the key comparisons.
 RUNS = [(m, "main") for m in MODELS] + [("smollm2-135m", "dp1")] + [
-    (m, v) for v in ("ungated", "separate", "warm") for m in MODELS]
+    (m, v) for m in ("llama-3.2-1b", "smollm2-135m") for v in ("ungated", "separate")] + [
+    ("qwen2.5-0.5b", "ungated"), ("qwen2.5-0.5b", "separate")] + [
+    (m, "warm") for m in MODELS]
 TINY = dict(num_layers=2, vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4,
             num_kv_heads=2, head_dim=16)
 
