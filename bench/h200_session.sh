@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# One H200 session: GPU tests, sanitizer smoke, capture + e2e + load benchmarks, in one call.
-# Needs the service's wheels in .whl/ (fastapi, uvicorn, pydantic(-settings), ...) and, for the
-# load test on random weights, a tokenizer directory (.gpu_assets/smollm2: tokenizer.json +
-# config.json exported from the default GGUF). Results: $OUT/results.tgz (+ logs).
+# One H200 session, most important first; results are re-packed after every step so a run cut
+# short still returns what it measured. Needs the service's wheels in .whl/ (fastapi, uvicorn,
+# pydantic(-settings), ...) and, for the load test on random weights, a tokenizer directory
+# (.gpu_assets/smollm2: tokenizer.json + config.json exported from the default GGUF).
+# Usage (device tool, repo root): bash bench/h200_session.sh   -> $OUT/results.tgz
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-R=$OUT/r; mkdir -p "$R"; export OUT_ROOT=$OUT
+R=$OUT/r; mkdir -p "$R"; ROOT=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
   > "$R/gpu.txt"
-step() { local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))"; \
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1; echo "   rc=$? $(tail -1 "$R/$name.log")"; }
-step gpu_tests "${T_TESTS:-80}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/engine/test_graph_gpu.py tests/model/test_model_gpu.py
-step sanitizer "${T_SAN:-40}" compute-sanitizer --tool memcheck --error-exitcode 3 \
-  python3 -m bench.capture --sanitize-smoke
-step capture "${T_CAP:-110}" env OUT="$R" python3 -m bench.capture --budget-s "${CAP_BUDGET:-60}"
-step e2e "${T_E2E:-140}" env OUT="$R" python3 bench/e2e.py --profile
-step load "${T_LOAD:-55}" env OUT="$R" python3 bench/load.py --spawn --env DEVICE=cuda \
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1
+  echo "   rc=$? $(tail -1 "$R/$name.log")"
+  tar czf "$ROOT/results.tgz" -C "$ROOT" r
+}
+step load "${T_LOAD:-70}" env OUT="$R" python3 bench/load.py --spawn --env DEVICE=cuda \
   --env MODEL_PRESET=smollm2-135m --env MODEL_PATH=.gpu_assets/smollm2 \
-  --concurrency 1,4,16,64 --duration 4 --prompt-tokens 128 --ready-timeout 40
-tar czf "$OUT_ROOT/results.tgz" -C "$OUT_ROOT" r
+  --concurrency 1,4,16,64 --duration 4 --prompt-tokens 128 --ready-timeout 60
+step gpu_tests "${T_TESTS:-70}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/engine/test_graph_gpu.py tests/model/test_model_gpu.py
+step kernel_tests "${T_KT:-50}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/kernels/test_kernels_gpu.py -k "batch_of_64 or table_configs or graph_capture or opcheck"
+step capture "${T_CAP:-95}" env OUT="$R" python3 -m bench.capture --budget-s "${CAP_BUDGET:-50}"
+step sanitizer "${T_SAN:-35}" compute-sanitizer --tool memcheck --error-exitcode 3 \
+  python3 -m bench.capture --sanitize-smoke
+step e2e "${T_E2E:-110}" env OUT="$R" python3 bench/e2e.py --profile \
+  --models "${E2E_MODELS:-smollm2-135m,llama-3.2-1b,llama-3.1-8b,qwen2.5-0.5b}"
