@@ -53,12 +53,14 @@ from kernels.extend_attention import (  # noqa: E402
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 A = AttnConfig
 # Config variants of our kernel, timed side by side with the table's choice ("table"); TMA
-# variants use TMA at every size (tma_min_tokens=0), the table only from 4096 rows.
+# variants use TMA at every size (tma_min_tokens=0), the table only from 4096 rows; page-id
+# prefetch is on unless the name says "nopf".
 VARIANTS = {
     "m128n64w8s3": A(128, 64, 8, 3),
     "m128n64w8s3-hf": A(128, 64, 8, 3, heads_first=True),
-    "m128n64w8s4-hf": A(128, 64, 8, 4, heads_first=True),
+    "m128n64w8s3-hf-nopf": A(128, 64, 8, 3, heads_first=True, prefetch_pages=False),
     "m128n64w8s3-tma": A(128, 64, 8, 3, use_tma=True, tma_min_tokens=0),
+    "m128n64w8s3-tma-nopf": A(128, 64, 8, 3, True, tma_min_tokens=0, prefetch_pages=False),
     "m128n64w8s3-tma-hf": A(128, 64, 8, 3, use_tma=True, heads_first=True, tma_min_tokens=0),
     "m128n128w8s2-tma": A(128, 128, 8, 2, use_tma=True, tma_min_tokens=0),
     "m64n64w4s3-hf": A(64, 64, 4, 3, heads_first=True),

@@ -112,6 +112,7 @@ def _extend_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (H, n_m, B): all heads of the longest q-blocks launch first
         h = tl.program_id(0)
@@ -150,13 +151,18 @@ def _extend_attention_kernel(
     vc_base = v_cache_ptr + kvh * HEAD_DIM
     pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
     prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
-    # NOTE: page ids are loaded one block ahead, so block j's K/V addresses never wait on its
-    # page-table load (H200, 1k new + 8k cached: 264 -> 410 TFLOP/s).
-    pages = tl.load(pt_row + offs_n // PAGE_SIZE, mask=offs_n < prefix_len, other=0)
-    for start_n in range(0, prefix_full, BLOCK_N):
-        slot = pages.to(tl.int64) * PAGE_SIZE + (start_n + offs_n) % PAGE_SIZE
-        nxt = start_n + BLOCK_N + offs_n
-        pages = tl.load(pt_row + nxt // PAGE_SIZE, mask=nxt < prefix_len, other=0)
+    if PREFETCH_PAGES:
+        # NOTE: page ids loaded one block ahead, so block j's K/V addresses never wait on its
+        # page-table load (H200, D=128, 1k new + 8k cached: 264 -> 410 TFLOP/s).
+        pages = tl.load(pt_row + offs_n // PAGE_SIZE, mask=offs_n < prefix_len, other=0)
+    for start_n in tl.range(0, prefix_full, BLOCK_N):
+        if PREFETCH_PAGES:
+            slot = pages.to(tl.int64) * PAGE_SIZE + (start_n + offs_n) % PAGE_SIZE
+            nxt = start_n + BLOCK_N + offs_n
+            pages = tl.load(pt_row + nxt // PAGE_SIZE, mask=nxt < prefix_len, other=0)
+        else:
+            pos = start_n + offs_n
+            slot = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         k = _load(kc_base + slot[None, :] * stride_kcs + offs_d[:, None], d_mask[:, None], PAD_D)
         v = _load(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], d_mask[None, :], PAD_D)
         qk = _dot(q, k, None, DOT_PRECISION, DOT_UPCAST)
@@ -164,7 +170,9 @@ def _extend_attention_kernel(
     if prefix_full < prefix_len:
         pos = prefix_full + offs_n
         valid = pos < prefix_len
-        slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # pages: prefetched, 0 if invalid
+        if not PREFETCH_PAGES:
+            pages = tl.load(pt_row + pos // PAGE_SIZE, mask=valid, other=0)
+        slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         k = tl.load(
             kc_base + slot[None, :] * stride_kcs + offs_d[:, None],
             mask=valid[None, :] & d_mask[:, None],
@@ -183,7 +191,7 @@ def _extend_attention_kernel(
     k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * HEAD_DIM
     v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * HEAD_DIM
     diag_start = m_block * BLOCK_M
-    for start_n in range(0, diag_start, BLOCK_N):
+    for start_n in tl.range(0, diag_start, BLOCK_N):
         if USE_TMA:
             k = k_desc.load([q_start + start_n, kvh * HEAD_DIM]).T
             v = v_desc.load([q_start + start_n, kvh * HEAD_DIM])
@@ -312,7 +320,7 @@ def extend_attention(
         RETURN_LSE=lse is not None, USE_TMA=use_tma,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.device.type == "cpu" and dtype == torch.bfloat16,
-        HEADS_FIRST=cfg.heads_first,
+        HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -23,6 +23,7 @@ class AttnConfig:
       descriptors costs ~55 us of host time per launch, more than TMA saves on small batches.
     heads_first: grid (H, q-blocks, B) instead of (q-blocks, H, B): the longest q-blocks of all
       heads start first.
+    prefetch_pages: load the next prefix block's page ids one block early.
     """
 
     block_m: int
@@ -32,12 +33,17 @@ class AttnConfig:
     use_tma: bool = False
     heads_first: bool = False
     tma_min_tokens: int = 4096
+    prefetch_pages: bool = True
 
 
-# H200 (bench/results/attention.md): D=64 heads-first beat the (q-blocks, H, B) order by 5-19%;
-# D=128 with TMA beat plain loads by 4-6% from 4k tokens up; BLOCK_N 128 and 4 warps lost.
+# H200, bench/results/attention-h200-2026-11-29*.md (TFLOP/s, causal 32q/8kv heads, 4k / 16k):
+# D=64 heads-first 397 / 446 against 333 / 422 for the (q-blocks, H, B) grid; with page-id
+# prefetch on, one run measured 294 / 344 (cause not isolated), so D=64 keeps it off until a
+# bench run with the -nopf variants says otherwise. D=128: TMA 412 / 515 against 388 / 484 plain,
+# and prefetch lifts "1k new on 8k cached" from 264 to 392-414 (SDPA flash 332, cuDNN 291).
+# BLOCK_N 128 and 4-warp variants lost everywhere.
 CONFIGS: dict[tuple[int, int], AttnConfig] = {
-    (9, 64): AttnConfig(128, 64, 8, 3, heads_first=True),
+    (9, 64): AttnConfig(128, 64, 8, 3, heads_first=True, prefetch_pages=False),
     (9, 128): AttnConfig(128, 64, 8, 3, use_tma=True),
     (9, 256): AttnConfig(64, 64, 4, 2),
 }

@@ -70,12 +70,13 @@ def test_mixed_batch_one_launch(dtype, device, close, attn_batch):
     [
         AttnConfig(32, 16, 4, 1),
         AttnConfig(16, 16, 4, 1, use_tma=True, tma_min_tokens=0),
-        AttnConfig(16, 16, 4, 1, heads_first=True),
+        AttnConfig(16, 16, 4, 1, heads_first=True, prefetch_pages=False),
     ],
     ids=str,
 )
 def test_config_variants(config, device, close, attn_batch):
-    """BLOCK_M > BLOCK_N; TMA loads of the new tokens; the heads-first grid."""
+    """BLOCK_M > BLOCK_N; TMA loads of the new tokens; the heads-first grid without page-id
+    prefetch."""
     batch = attn_batch([40, 7, 70], [16, 9, 0], 16, 4, 1, 64, BF16, device, pad=3)
     _run_and_check(batch, BF16, device, close, config=config, return_lse=True)
 

@@ -1,6 +1,7 @@
 """Real-size checks on CUDA (bf16 against an fp32 reference): 32k tokens, a 64-prompt batch,
 an 8k cached prefix, every table config, TMA, custom ops under opcheck and CUDA-graph capture."""
 
+import dataclasses
 import random
 
 import pytest
@@ -8,7 +9,6 @@ import torch
 
 from kernels import ops
 from kernels.extend_attention import (
-    AttnConfig,
     extend_attention,
     extend_attention_ref,
     pick_config,
@@ -54,11 +54,11 @@ def test_batch_of_64_prompts_with_prefixes(H, KVH, D, close, attn_batch):
 
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("use_tma", [False, True])
-def test_extend_on_8k_prefix(page_size, use_tma, close, attn_batch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_extend_on_8k_prefix(page_size, use_tma, prefetch, close, attn_batch):
     batch = attn_batch([1000, 333], [8192, 8001], page_size, 32, 8, 128, BF16, "cuda")
-    cfg = pick_config(128, BF16, batch.q.device)
-    cfg = AttnConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, use_tma,
-                     tma_min_tokens=0)  # fmt: skip
+    cfg = dataclasses.replace(pick_config(128, BF16, batch.q.device), use_tma=use_tma,
+                              tma_min_tokens=0, prefetch_pages=prefetch)  # fmt: skip
     _check(batch, close, config=cfg, return_lse=True, chunk_size=512)
 
 
