@@ -76,38 +76,39 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
 
 def engine_cfg(graphs: bool, page_size: int = 16) -> EngineConfig:
     return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
-                        mem_fraction_static=0.80, max_prefill_tokens=8192,
+                        mem_fraction_static=0.70, max_prefill_tokens=8192,
                         cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
                         page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
                         max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1)
 
 
+def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> dict:
+    out = {}
+    for bs, s in CASES:
+        ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).tolist()
+        pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
+        chunks = [SeqChunk(tuple(x), 0, tuple(p)) for x, p in zip(ids, pages)]
+        ms = timed(lambda: engine.forward(chunks), 30 if bs * s <= 1024 else 10)  # noqa: B023
+        out[f"{bs}x{s}"] = dict(ms=ms, mode=engine.forward(chunks).mode)
+        for p in pages:
+            engine.pool.allocator.free(p)
+    return out
+
+
 def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
-    cfg = loaded.cfg
-    model = loaded.model
+    cfg, model = loaded.cfg, loaded.model
     model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton",
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     engine = EngineCore(engine_cfg(graphs=variant == "ours-graph"), loaded=loaded)
-    out = {}
     try:
-        for bs, s in CASES:
-            ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).tolist()
-            pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
-            chunks = [SeqChunk(tuple(x), 0, tuple(p)) for x, p in zip(ids, pages)]
-            reps = 30 if bs * s <= 1024 else 10
-            fwd = engine.forward
-            ms = timed(lambda chunks=chunks, fwd=fwd: fwd(chunks), reps)
-            mode = fwd(chunks).mode
-            for p in pages:
-                engine.pool.allocator.free(p)
-            out[f"{bs}x{s}"] = dict(ms=ms, mode=mode)
+        out = _time_cases(engine, cfg, gen)
         out["_memory"] = dataclasses.asdict(engine.memory)
     finally:
         engine.close()
-        engine = None
+        del engine  # the KV pool goes with it: the next variant sizes its own
         gc.collect()
         torch.cuda.empty_cache()
-    model.attn = AttentionBackend("triton", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        model.attn = AttentionBackend("triton", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return out
 
 

@@ -11,8 +11,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 R=$OUT/r; mkdir -p "$R"; ROOT=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
   > "$R/gpu.txt"
+STEPS=${STEPS:-load gpu_tests kernel_tests capture sanitizer e2e}
 step() {
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $name ($(date +%T))"
   timeout "$limit" "$@" > "$R/$name.log" 2>&1
   echo "   rc=$? $(tail -1 "$R/$name.log")"
@@ -29,4 +31,5 @@ step capture "${T_CAP:-95}" env OUT="$R" python3 -m bench.capture --budget-s "${
 step sanitizer "${T_SAN:-35}" compute-sanitizer --tool memcheck --error-exitcode 3 \
   python3 -m bench.capture --sanitize-smoke
 step e2e "${T_E2E:-110}" env OUT="$R" python3 bench/e2e.py --profile \
-  --models "${E2E_MODELS:-smollm2-135m,llama-3.2-1b,llama-3.1-8b,qwen2.5-0.5b}"
+  --models "${E2E_MODELS:-smollm2-135m,llama-3.2-1b,llama-3.1-8b,qwen2.5-0.5b}" \
+  --variants "${E2E_VARIANTS:-ours-graph,ours-eager,ours-refattn,hf-sdpa}"

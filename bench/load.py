@@ -47,10 +47,12 @@ def spawn(env_overrides: dict[str, str], ready_timeout: float) -> tuple[subproce
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **env_overrides, "HOST": "127.0.0.1", "PORT": str(port),
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": path}
+    log_path = out_dir() / "load-server.log"  # the server's own log, to see why it stopped
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:

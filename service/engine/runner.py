@@ -11,6 +11,7 @@ by the LM head.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,26 @@ from service.model.llama import LlamaModel
 from service.model.meta import KVCache
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage once, then keep Python's GC from running during capture.
+
+    NOTE: a collection in the middle of a capture can destroy unrelated CUDA graphs or events
+    (cyclic garbage from an earlier runner), whose teardown is illegal while a stream is being
+    captured: the capture is invalidated and surfaces as CUBLAS_STATUS_EXECUTION_FAILED. Seen on
+    the H200 in a process that had leaked a runner; SGLang and vLLM pause the GC for the same
+    reason.
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class PrefillRunner:
@@ -109,6 +130,9 @@ class PrefillRunner:
         dp = None
         if self.dp is not None:
             rows = batch.padded_tokens
+            if counts is None:  # a lone caller (tests, world size 1): this rank's rows only
+                assert self.dp.world == 1, "DP ranks must pass every rank's token counts"
+                counts = [batch.num_tokens]
             dp = DPTokens(self.dp, rows, DPCaptureInputs.new(counts, rows, self.device))
         return self.model(batch.input_ids, batch.positions, batch.meta, dp=dp)
 
@@ -195,7 +219,7 @@ class PrefillRunner:
         """Allocate the static buffers, then capture every bucket, largest first."""
         if self.backend is None or not len(self.buckets):
             return
-        with self.on_stream():
+        with self.on_stream(), gc_paused():
             if self.bufs is None:
                 world = self.dp.world if self.dp is not None else 1
                 self.bufs = StaticBuffers.allocate(self.cfg, self.buckets.largest, self.dtype,

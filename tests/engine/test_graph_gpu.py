@@ -123,17 +123,19 @@ def test_dp_world_size_one_with_graphs():
     dp_runner, pool = build(buckets=buckets, dp=DPGroup(), num_layers=3)
     plain, _ = build(buckets=buckets, num_layers=3)
     rng = random.Random(1)
-    for n in buckets:
-        chunks = varlen_batch(dp_runner, pool, n - 3, rng)
-        graph, eager = graph_and_eager(dp_runner, pool, chunks, n)
-        with torch.inference_mode(), plain.on_stream():
-            ref = plain.forward_graph(build_batch(chunks, pool.cache, "cuda", pad_to=n))
-        assert relerr(graph, eager) <= 1e-3 and relerr(graph, ref) <= 1e-3, n
-        kept = dp_runner.backend.retained(n)
-        assert kept.packed.tolist() == [n, n - 3] and kept.nbytes <= 4096
-    assert dp_runner.retained_input_bytes <= 4096 * len(buckets)
-    dp_runner.close()
-    plain.close()
+    try:
+        for n in buckets:
+            chunks = varlen_batch(dp_runner, pool, n - 3, rng)
+            graph, eager = graph_and_eager(dp_runner, pool, chunks, n)
+            with torch.inference_mode(), plain.on_stream():
+                ref = plain.forward_graph(build_batch(chunks, pool.cache, "cuda", pad_to=n))
+            assert relerr(graph, eager) <= 1e-3 and relerr(graph, ref) <= 1e-3, n
+            kept = dp_runner.backend.retained(n)
+            assert kept.packed.tolist() == [n, n - 3] and kept.nbytes <= 4096
+        assert dp_runner.retained_input_bytes <= 4096 * len(buckets)
+    finally:  # a failure here must not leave graphs for a later test's capture to collect
+        dp_runner.close()
+        plain.close()
 
 
 def test_sanitizer_smoke():

@@ -1,6 +1,15 @@
-"""The model end to end on CUDA: Triton kernels vs the PyTorch reference path, bf16."""
+"""The model end to end on CUDA: Triton kernels vs the PyTorch reference path.
+
+Both bf16 paths are measured against the same model in fp32 (reference kernels): with random
+weights each bf16 path is ~2 % off fp32 by itself (measured on CPU for the reference path:
+2.1-2.4 % on Qwen2.5-0.5B and Llama-3.2-1B shapes), so two bf16 paths can differ by ~3 % without
+either being wrong. The test asks the Triton path to be as accurate as the reference path in the
+same precision, and all three to agree on the next token.
+"""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -20,26 +29,38 @@ def _use(model, kind: str) -> None:
     model.set_kernels(kind == "triton")
 
 
+def _run(model, prompts: list[list[int]], prefix: list[int]) -> list[torch.Tensor]:
+    """Last-token logits; the last prompt follows a cached prefix written by an earlier forward."""
+    pre = Prefiller(model, page_size=16, tokens=8192)
+    first = pre.chunk(prefix)
+    pre.run([first])
+    chunks = [pre.chunk(p) for p in prompts[:-1]]
+    chunks.append(pre.chunk(prompts[-1], prefix_len=len(prefix), pages=list(first.pages)))
+    return [x[-1].float() for x in pre.run(chunks)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b"])
 def test_triton_matches_reference_on_varlen_batch_with_prefix(name):
-    model = random_model(preset(name), "cuda", torch.bfloat16, seed=1)
+    m32 = random_model(preset(name), "cuda", torch.float32, seed=1)
+    m16 = copy.deepcopy(m32).to(torch.bfloat16)
+    m16.cos_sin = m32.cos_sin  # the RoPE table stays fp32
     g = torch.Generator().manual_seed(2)
-    lengths = [1, 37, 200, 1000, 3]
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist()
-               for n in lengths]
-    outs = {}
-    for kind in ("torch", "triton"):
-        _use(model, kind)
-        pre = Prefiller(model, page_size=16, tokens=8192)
-        # the last prompt gets a 77-token cached prefix written by an earlier forward
-        base = torch.randint(0, model.cfg.vocab_size, (77,), generator=g.manual_seed(3)).tolist()
-        first = pre.chunk(base)
-        pre.run([first])
-        chunks = [pre.chunk(p) for p in prompts[:-1]]
-        chunks.append(pre.chunk(prompts[-1], prefix_len=77, pages=list(first.pages)))
-        outs[kind] = [x[-1].float() for x in pre.run(chunks)]
-    for ref, out in zip(outs["torch"], outs["triton"]):
-        assert torch.isfinite(out).all()
-        rel = ((out - ref).norm() / ref.norm()).item()
-        assert rel <= 2e-2, f"{name}: logits relative error {rel:.3g}"
-        assert out.argmax().item() == ref.argmax().item()
+    prompts = [torch.randint(0, m32.cfg.vocab_size, (n,), generator=g).tolist()
+               for n in [1, 37, 200, 1000, 3]]
+    prefix = torch.randint(0, m32.cfg.vocab_size, (77,), generator=g).tolist()
+    _use(m32, "torch")
+    exact = _run(m32, prompts, prefix)
+    _use(m16, "torch")
+    ref = _run(m16, prompts, prefix)
+    _use(m16, "triton")
+    out = _run(m16, prompts, prefix)
+    for e, r, o in zip(exact, ref, out):
+        assert torch.isfinite(o).all()
+        err_ref, err_out = _rel(r, e), _rel(o, e)
+        assert err_out <= max(1.25 * err_ref, 1e-2), (
+            f"{name}: Triton bf16 {err_out:.3g} vs fp32, reference bf16 {err_ref:.3g}")
+        assert o.argmax().item() == r.argmax().item() == e.argmax().item()
