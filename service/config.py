@@ -148,6 +148,11 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
+    if settings.dp_size > 1:
+        # The engine runs DP ranks (service.engine.dp, one process per GPU, in lockstep), but
+        # the HTTP service drives a single rank: refuse at start-up rather than fail mid-load.
+        raise ConfigError(f"DP_SIZE={settings.dp_size}: the HTTP service runs one rank; "
+                          "use DP_SIZE=1 (data-parallel ranks run through service.engine.dp)")
     if settings.max_prompt_tokens > 1 << 20:
         raise ConfigError(f"MAX_PROMPT_TOKENS={settings.max_prompt_tokens}: at most 1048576")
     buckets = (tuple(int(x) for x in settings.cuda_graph_buckets.split(","))

@@ -136,11 +136,17 @@ def install(app: FastAPI, count: Callable[[str], None]) -> None:
         message, param = _validation_message(exc)
         return respond(exc, message, param, None)
 
-    for cls in (QueueFull, NotReady, KVPoolExhausted, ForwardFailed):
-        async def _engine(_: Request, exc: Exception) -> JSONResponse:
-            return respond(exc, str(exc), None, None)
+    async def _engine(_: Request, exc: Exception) -> JSONResponse:
+        return respond(exc, str(exc), None, None)
 
+    for cls in (QueueFull, NotReady, KVPoolExhausted, ForwardFailed):
         app.add_exception_handler(cls, _engine)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Anything outside the table: still a JSON error body and a counted 500.
+        log.exception("unhandled error", exc_info=exc)
+        return respond(exc, f"internal error: {type(exc).__name__}: {exc}", None, None)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Histogram,
@@ -112,6 +113,8 @@ class Metrics:
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
+
+    content_type = CONTENT_TYPE_LATEST
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ logprobs may be up to 20.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -114,7 +115,8 @@ async def completions(body: CompletionRequest, state: State,
     max_tokens = check_supported(body)
     require_ready(state)
     check_model(state, body.model)
-    prompts, texts = prompt_inputs(state, body.prompt)
+    # NOTE: tokenizing and checking a large body takes seconds; never on the event loop.
+    prompts, texts = await asyncio.to_thread(prompt_inputs, state, body.prompt)
     want_lps = body.logprobs is not None
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.logprobs or 0,

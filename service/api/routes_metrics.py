@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.deps import State
 
@@ -13,4 +12,4 @@ router = APIRouter(tags=["metrics"])
 
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics.render(), media_type=state.metrics.content_type)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, Depends, Request
@@ -59,7 +60,8 @@ async def prefill(body: PrefillRequest, state: State, request: Request) -> Prefi
     """Prefill each prompt and return its first token (greedy unless temperature > 0)."""
     require_ready(state)
     check_model(state, body.model)
-    prompts = prompt_ids(state, body)
+    # NOTE: tokenizing and checking a large body takes seconds; never on the event loop.
+    prompts = await asyncio.to_thread(prompt_ids, state, body)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.top_logprobs,
                             prompt_logprobs=body.prompt_logprobs)

@@ -54,10 +54,10 @@ def check_ids(state: AppState, prompts: list[list[int]], field: str,
             raise PromptTooLong(f"{name} has {len(ids)} tokens; the limit is {limit} "
                                 "(MAX_PROMPT_TOKENS, capped by the model's context length)",
                                 name, "context_length_exceeded")
-        for j, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "
-                               f"(0 <= id < {vocab})", f"{name}[{j}]")
+        if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; locate the culprit only then
+            j, t = next((j, t) for j, t in enumerate(ids) if not 0 <= t < vocab)
+            raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "
+                           f"(0 <= id < {vocab})", f"{name}[{j}]")
     return prompts
 
 

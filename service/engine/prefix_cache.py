@@ -71,10 +71,13 @@ class PrefixCache:
         if short > len(self._lru):
             raise KVPoolExhausted(f"need {n} KV pages, {self.available_pages} free or evictable")
         for _ in range(max(short, 0)):
-            page, _ = self._lru.popitem(last=False)
-            del self._page_of[self._key_of.pop(page)], self._refs[page]
-            self.allocator.free([page])
+            self._evict_oldest()
         return self.allocator.alloc(n)
+
+    def _evict_oldest(self) -> None:
+        page, _ = self._lru.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)], self._refs[page]
+        self.allocator.free([page])
 
     def insert(self, keys: list[bytes], pages: list[int], written_tokens: int) -> None:
         """Publish the request's full pages whose KV is written; it keeps holding them."""
@@ -88,7 +91,9 @@ class PrefixCache:
     def release(self, pages: list[int]) -> None:
         """A request lets go of its pages: cached ones may become evictable, private ones free."""
         private = []
-        for page in pages:
+        # Last page first into the LRU, so it is evicted first: keys chain from the page before,
+        # so losing a prompt's first page would strand every later page of it.
+        for page in reversed(pages):
             if page in self._key_of:
                 self._refs[page] -= 1
                 assert self._refs[page] >= 0, f"page {page} released more often than held"
@@ -101,6 +106,4 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every unreferenced cached page back to the allocator (shutdown)."""
         while self._lru:
-            page, _ = self._lru.popitem(last=False)
-            del self._page_of[self._key_of.pop(page)], self._refs[page]
-            self.allocator.free([page])
+            self._evict_oldest()

@@ -238,6 +238,8 @@ class Scheduler:
             take(r)
         while self._waiting and len(out) < self.max_batch_prompts and budget > 0:
             r = self._waiting[0]
+            if r.params.prompt_logprobs and rows <= 0:
+                break  # no logit rows left in this forward: admit it (and its pages) later
             ps, cache = pool.page_size, self.cache
             if r.keys is None:
                 r.keys = page_keys(r.token_ids, ps) if cache.enabled else []

@@ -23,6 +23,7 @@ from service.api.app import create_app
 from service.config import load_settings, resolve
 
 FAULT_TOKEN = 31337  # a prompt containing this id makes TestEngine.forward raise
+_CORE_LOCK = threading.Lock()  # every TestEngine shares the one real core: one forward at a time
 
 
 class TestEngine:
@@ -36,7 +37,7 @@ class TestEngine:
         self.delay_s = 0.0
         self.fault_token: int | None = FAULT_TOKEN
         self.forwards: list[list[tuple[int, ...]]] = []  # token ids of every chunk, per forward
-        self._lock = threading.Lock()  # apps of one test may share the core
+        self._lock = _CORE_LOCK
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._core, name)

@@ -18,3 +18,10 @@ def test_bad_values_name_the_variable(var, value):
     with pytest.raises(ConfigError) as e:
         load_settings({var: value})
     assert var in str(e.value) and value.lower() in str(e.value).lower()
+
+
+def test_dp_size_above_one_is_refused_at_start_up():
+    from service.config import resolve
+
+    with pytest.raises(ConfigError, match="DP_SIZE=2: the HTTP service runs one rank"):
+        resolve(load_settings({"DP_SIZE": "2"}), cuda_available=False)

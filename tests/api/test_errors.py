@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from tests.api.conftest import FAULT_TOKEN, wait_for
@@ -157,3 +158,25 @@ def test_client_disconnect_frees_kv_pages(api, core) -> None:
     assert "prefill_kv_used_tokens 0.0" in metrics
     api.engine.delay_s = 0
     assert api.post("/v1/prefill", json={"prompt": "Hi"}).status_code == 200
+
+
+def test_unexpected_error_is_a_counted_json_500(api) -> None:
+    class Broken:
+        def encode(self, text: str) -> list[int]:
+            raise ZeroDivisionError("tokenizer exploded")
+
+    async def call():
+        transport = httpx.ASGITransport(api.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await c.post("/v1/prefill", json={"prompt": "Hello"})
+
+    api.engine.tokenizer = Broken()  # the proxy's own attribute shadows the real tokenizer
+    try:
+        r = api.run(call())
+    finally:
+        del api.engine.tokenizer
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
+    assert "ZeroDivisionError: tokenizer exploded" in r.json()["error"]["message"]
+    assert 'prefill_requests_total{status="error"} 1.0' in api.get("/metrics").text
+    ok = api.post("/v1/prefill", json={"prompt": "The capital of France is"})
+    assert ok.status_code == 200

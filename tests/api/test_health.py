@@ -24,6 +24,9 @@ def test_ready_app_endpoints(api) -> None:
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert models["data"][0]["object"] == "model"
+    # the advertised context is what can run: the CPU KV pool (5,808 tokens) < context (8,192)
+    cap = api.state.engine.pool.capacity_tokens
+    assert models["data"][0]["max_model_len"] == min(cap, api.state.max_prompt_tokens) == cap
 
 
 def test_health_answers_while_loading(make_app, core) -> None:

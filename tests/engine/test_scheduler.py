@@ -259,3 +259,24 @@ def test_cancel_queued_never_runs_and_running_frees_pages() -> None:
         assert eng.pool.used_tokens == 0
 
     run(main())
+
+
+def test_logprob_prompts_wait_for_logit_rows_before_taking_pages() -> None:
+    async def main():
+        eng = FakeEngine(pages=16, page_size=4, budget=64)
+        eng.free_run = False
+        s = await started(eng, max_logit_rows=4)
+        rs = [req(list(range(1 + 10 * i, 9 + 10 * i)), prompt_logprobs=True) for i in range(5)]
+        s.submit(rs)
+        await until(lambda: len(eng.calls) == 1, "the first forward")
+        # one 4-row chunk fits this forward: only its prompt (2 pages) may hold KV pages
+        assert eng.calls[0][0].num_tokens == 4 and len(eng.calls[0]) == 1
+        assert s.kv_used_tokens == 8, s.kv_used_tokens
+        eng.free_run = True
+        eng.permits.release()
+        out = await asyncio.gather(*(r.future for r in rs))
+        assert all(len(o.prompt_logprobs) == 7 for o in out)
+        assert s.kv_used_tokens == 0
+        s.stop()
+
+    run(main())

@@ -93,3 +93,22 @@ def test_release_and_refcounts() -> None:
     cache.release(held)
     assert cache.used_pages == 0 and cache.available_pages == 4
     assert len(cache.alloc(4)) == 4 and cache.cached_pages == 0  # evicted to make room
+
+
+def test_eviction_keeps_a_prompts_leading_pages() -> None:
+    # Keys chain from the page before, so a prompt's pages must be evicted last-page-first:
+    # losing page 0 first would strand the later pages (cached, but never matchable).
+    from service.engine.kv_pool import PageAllocator
+
+    alloc = PageAllocator(5)  # 4 usable pages
+    cache = PrefixCache(alloc, 2)
+    keys = page_keys((1, 2, 3, 4, 5, 6, 7, 8), 2)
+    pages = cache.alloc(4)
+    cache.insert(keys, pages, 8)
+    cache.release(pages)
+    assert cache.cached_pages == 4 and alloc.num_free == 0
+    fresh = cache.alloc(1)  # evicts exactly one cached page
+    assert cache.cached_pages == 3
+    assert cache.match(keys, 4) == pages[:3]  # the three leading pages still match
+    cache.release(pages[:3])
+    alloc.free(fresh)
