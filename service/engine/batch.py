@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from service.engine.pages import DUMMY_SLOT, page_table_tensor, slots_for
+from service.engine.pages import DUMMY_SLOT, page_table_tensor, token_slots
 from service.model.meta import ForwardMeta, KVCache
 
 
@@ -46,43 +48,39 @@ class PrefillBatch:
 def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
                 device: torch.device | str, pad_to: int | None = None) -> PrefillBatch:
     """Flatten chunks; pad ids/positions/slots to `pad_to` (padding writes KV to the dummy slot)."""
-    ps = kv.page_size
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    cu = [0]
+    b = len(chunks)
+    counts = np.fromiter((c.num_tokens for c in chunks), np.int64, b)
+    prefix = np.fromiter((c.prefix_len for c in chunks), np.int64, b)
+    cu = np.zeros(b + 1, np.int64)
+    np.cumsum(counts, out=cu[1:])
+    t = int(cu[-1])
+    padded = max(pad_to or t, t)
+    ids = np.zeros(padded, np.int64)
+    pos = np.zeros(padded, np.int64)
+    slots = np.full(padded, DUMMY_SLOT, np.int64)
+    ids[:t] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, t)
+    pos[:t], slots[:t] = token_slots([c.pages for c in chunks], prefix, counts, kv.page_size)
     logits_idx: list[int] = []
     rows: list[tuple[int, int]] = []
-    for c in chunks:
-        start = len(ids)
-        ids.extend(c.token_ids)
-        pos.extend(range(c.prefix_len, c.prefix_len + c.num_tokens))
-        slots.extend(slots_for(list(c.pages), c.prefix_len, c.num_tokens, ps))
-        cu.append(len(ids))
+    for c, start, end in zip(chunks, cu[:-1].tolist(), cu[1:].tolist()):
         first = len(logits_idx)
         if c.all_logits:
-            logits_idx.extend(range(start, len(ids)))
-        elif c.num_tokens:
-            logits_idx.append(len(ids) - 1)
+            logits_idx.extend(range(start, end))
+        elif end > start:
+            logits_idx.append(end - 1)
         rows.append((first, len(logits_idx)))
-    t = len(ids)
-    padded = max(pad_to or t, t)
-    pad = padded - t
-    ids += [0] * pad
-    pos += [0] * pad
-    slots += [DUMMY_SLOT] * pad
 
-    def dev(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+    def dev(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(x).to(device=device, dtype=dtype, non_blocking=True)
 
     meta = ForwardMeta(
         cu_seqlens_q=dev(cu, torch.int32),
-        prefix_lens=dev([c.prefix_len for c in chunks], torch.int32),
-        page_table=page_table_tensor([list(c.pages) for c in chunks], device),
+        prefix_lens=dev(prefix, torch.int32),
+        page_table=page_table_tensor([c.pages for c in chunks], device),
         slot_mapping=dev(slots, torch.int64),
-        logits_indices=dev(logits_idx, torch.int64),
-        q_lens=tuple(c.num_tokens for c in chunks),
-        prefix_lens_host=tuple(c.prefix_len for c in chunks),
+        logits_indices=dev(np.asarray(logits_idx, np.int64), torch.int64),
+        q_lens=tuple(counts.tolist()),
+        prefix_lens_host=tuple(prefix.tolist()),
         kv=kv,
     )
     return PrefillBatch(tuple(chunks), dev(ids, torch.int64), dev(pos, torch.int64), meta,

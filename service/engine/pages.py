@@ -5,6 +5,9 @@ Invariant: slot = page * page_size + offset; page 0 is the dummy page (slot 0 ta
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 DUMMY_SLOT = 0
@@ -15,24 +18,33 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-def round_down_to_pages(tokens: int, page_size: int) -> int:
-    return (tokens // page_size) * page_size
+def token_slots(page_lists: list[tuple[int, ...]], prefix_lens: np.ndarray, counts: np.ndarray,
+                page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and KV slots of every new token of a batch, flattened over its sequences.
+
+    Sequence b's new tokens sit at positions [prefix_lens[b], prefix_lens[b] + counts[b]) and its
+    pages cover them. Vectorized: building a batch stays O(tokens) in C, not in Python.
+    """
+    for pages, p, n in zip(page_lists, prefix_lens.tolist(), counts.tolist()):
+        assert pages_for(p + n, page_size) <= len(pages), (
+            f"positions up to {p + n} need {pages_for(p + n, page_size)} pages, "
+            f"sequence owns {len(pages)}")
+    t = int(counts.sum())
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)  # flat index of each token's seq start
+    pos = np.arange(t, dtype=np.int64) - firsts + np.repeat(prefix_lens, counts)
+    lengths = np.fromiter((len(p) for p in page_lists), np.int64, len(page_lists))
+    flat = np.fromiter(itertools.chain.from_iterable(page_lists), np.int64, int(lengths.sum()))
+    page = flat[np.repeat(np.cumsum(lengths) - lengths, counts) + pos // page_size]
+    return pos, page * page_size + pos % page_size
 
 
-def slots_for(pages: list[int], start: int, count: int, page_size: int) -> list[int]:
-    """KV slots of token positions [start, start+count) of a sequence that owns `pages`."""
-    assert pages_for(start + count, page_size) <= len(pages), (
-        f"positions up to {start + count} need {pages_for(start + count, page_size)} pages, "
-        f"sequence owns {len(pages)}"
-    )
-    return [pages[p // page_size] * page_size + p % page_size for p in range(start, start + count)]
-
-
-def page_table_tensor(page_lists: list[list[int]], device: torch.device | str) -> torch.Tensor:
+def page_table_tensor(page_lists: list[tuple[int, ...]], device: torch.device | str
+                      ) -> torch.Tensor:
     """(B, max_pages) int32 page table; rows padded with the dummy page."""
-    width = max((len(p) for p in page_lists), default=0) or 1
-    table = torch.zeros(len(page_lists), width, dtype=torch.int32)
-    for i, pages in enumerate(page_lists):
-        if pages:
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-    return table.to(device, non_blocking=True)
+    lengths = np.fromiter((len(p) for p in page_lists), np.int64, len(page_lists))
+    table = np.zeros((len(page_lists), int(lengths.max(initial=0)) or 1), np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(page_lists), np.int32, int(lengths.sum()))
+    rows = np.repeat(np.arange(len(page_lists)), lengths)
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    table[rows, cols] = flat
+    return torch.from_numpy(table).to(device, non_blocking=True)
