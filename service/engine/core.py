@@ -94,7 +94,6 @@ class EngineCore:
         loaded = loaded or load(cfg, self.device, self.dtype)
         self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.model_path = str(loaded.path)
-        self.load_seconds = loaded.load_seconds
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         sizes = resolve_buckets(cfg.cuda_graph_buckets, cfg.cuda_graph_max_tokens,
                                 cfg.max_prefill_tokens) if cuda else ()

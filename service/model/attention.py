@@ -18,7 +18,7 @@ import torch
 
 from kernels import extend_attention as attn_kernel
 from kernels import kv_store, ops
-from service.model.meta import ForwardMeta, KVCache
+from service.model.meta import ForwardMeta
 
 BACKENDS = ("triton", "torch")
 
@@ -26,19 +26,23 @@ BACKENDS = ("triton", "torch")
 class AttentionBackend:
     def __init__(self, kind: str, num_heads: int, num_kv_heads: int, head_dim: int):
         assert kind in BACKENDS, f"attention backend {kind!r} not in {BACKENDS}"
-        self.kind = kind
         self.use_triton = kind == "triton"
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the fused projection: q (T, H, D), k and v (T, KVH, D)."""
+        t = qkv.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        return (qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + kvh) * d].view(t, kvh, d),
+                qkv[:, (h + kvh) * d :].view(t, kvh, d))
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: ForwardMeta,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """qkv (T, (H+2KVH)*D), RoPE applied; returns attention output (T, H*D)."""
         t = qkv.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = qkv[:, : h * d].view(t, h, d)  # (T, H, D)
-        k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)  # (T, KVH, D)
-        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # (T, KVH, D)
+        h, d = self.num_heads, self.head_dim
+        q, k, v = self.split(qkv)
         if meta.batch_size == 0:  # a data-parallel rank with no requests: only padding rows
             return (out.zero_() if out is not None else qkv.new_zeros(t, h * d)).view(t, h * d)
         kv = meta.kv
@@ -57,13 +61,11 @@ class AttentionBackend:
         """One batch's break for every layer: qkv (T, (H+2KVH)*D) and out (T, H*D) are fixed
         buffers; T must be the live token count (padding rows are neither stored nor read)."""
         t = qkv.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         assert meta.batch_size > 0 and t == meta.num_tokens, "plan the live rows of a batch"
-        return BreakPlan(
-            q=qkv[:, : h * d].view(t, h, d), k=qkv[:, h * d : (h + kvh) * d].view(t, kvh, d),
-            v=qkv[:, (h + kvh) * d :].view(t, kvh, d), out=out.view(t, h, d),
-            slots=meta.slot_mapping[:t], meta=meta, kv=meta.kv, max_q_len=meta.max_q_len,
-            scale=self.scale, use_triton=self.use_triton)
+        q, k, v = self.split(qkv)
+        return BreakPlan(q=q, k=k, v=v, out=out.view(t, self.num_heads, self.head_dim),
+                         slots=meta.slot_mapping[:t], meta=meta, max_q_len=meta.max_q_len,
+                         scale=self.scale, use_triton=self.use_triton)
 
 
 @dataclass(frozen=True)
@@ -74,15 +76,15 @@ class BreakPlan:
     out: torch.Tensor  # (T, H, D)
     slots: torch.Tensor  # (T,)
     meta: ForwardMeta
-    kv: KVCache
     max_q_len: int
     scale: float
     use_triton: bool
 
     def __call__(self, layer: int) -> None:
-        kc, vc, m = self.kv.k[layer], self.kv.v[layer], self.meta
+        m = self.meta
+        kc, vc = m.kv.k[layer], m.kv.v[layer]
         args = (self.q, self.k, self.v, kc, vc, m.cu_seqlens_q, m.prefix_lens, m.page_table,
-                self.kv.page_size, self.max_q_len, self.scale)
+                m.kv.page_size, self.max_q_len, self.scale)
         if self.use_triton:
             kv_store.store_kv(self.k, self.v, kc, vc, self.slots)
             attn_kernel.extend_attention(*args, out=self.out)

@@ -18,9 +18,6 @@ class KVCache:
     v: list[torch.Tensor]
     page_size: int
 
-    @property
-    def num_slots(self) -> int:
-        return self.k[0].shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -55,10 +52,6 @@ class ForwardMeta:
     @property
     def max_q_len(self) -> int:
         return max(self.q_lens, default=0)
-
-    @property
-    def max_kv_len(self) -> int:
-        return max((p + q for p, q in zip(self.prefix_lens_host, self.q_lens)), default=0)
 
     @property
     def page_size(self) -> int:
