@@ -29,6 +29,7 @@ so no stale pool slot or padded row can leak NaN into the accumulator.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ __all__ = [
     "extend_attention",
     "extend_attention_ref",
     "pick_config",
+    "prepare_extend_attention",
 ]
 
 _LN2 = math.log(2.0)
@@ -258,11 +260,43 @@ def extend_attention(
     config: AttnConfig | None = None,
     wrap=None,
 ):
+    """Causal attention of each sequence's new tokens to its cached prefix and to themselves
+    (see `prepare_extend_attention` for the contract). Returns o, or (o, lse) with return_lse."""
+    launch, out, lse = prepare_extend_attention(
+        q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
+        sm_scale, out, lse=lse, return_lse=return_lse, config=config, wrap=wrap)
+    if launch is not None:
+        launch(k_cache, v_cache)
+    return (out, lse) if return_lse else out
+
+
+def prepare_extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    max_q_len: int,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = False,
+    config: AttnConfig | None = None,
+    wrap=None,
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], None] | None, torch.Tensor,
+           torch.Tensor | None]:
     """Causal attention of each sequence's new tokens to its cached prefix and to themselves.
 
     max_q_len must be >= the longest sequence's new-token count (an upper bound is fine).
     `wrap` (e.g. torch.library.wrap_triton) is applied to the kernel before launch.
-    Returns o (T, H, D), or (o, lse) with lse (T, H) fp32 natural-log when return_lse.
+    Returns (launch, o, lse): everything is checked and bound once; `launch(k_cache, v_cache)`
+    runs the kernel on one layer's cache (None when there is nothing to compute). o is (T, H, D);
+    lse (T, H) fp32 natural-log, or None unless return_lse / `lse` was given.
     """
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -296,7 +330,7 @@ def extend_attention(
     if lse is not None:
         assert lse.shape == (T, H) and lse.dtype == torch.float32 and lse.stride(1) == 1
     if B == 0 or max_q_len <= 0 or T == 0:
-        return (out, lse) if return_lse else out
+        return None, out, lse
 
     cfg = config or pick_config(D, dtype, q.device)
     assert cfg.block_m % cfg.block_n == 0, "BLOCK_M must be a multiple of BLOCK_N"
@@ -308,13 +342,17 @@ def extend_attention(
         k_desc, v_desc = (_tma_descriptor(x, cfg.block_n, D) for x in (k, v))
     n_m = triton.cdiv(max_q_len, cfg.block_m)
     kernel = wrap(_extend_attention_kernel) if wrap is not None else _extend_attention_kernel
-    kernel[(H, n_m, B) if cfg.heads_first else (n_m, H, B)](
-        q, k, v, k_cache, v_cache, out, lse if lse is not None else out,
-        k_desc, v_desc,
+    kernel = kernel[(H, n_m, B) if cfg.heads_first else (n_m, H, B)]
+    shape = k_cache.shape
+    before = (q, k, v)
+    after = (
+        out, lse if lse is not None else out, k_desc, v_desc,
         cu_seqlens_q, prefix_lens, page_table,
         scale * _LOG2E, H // KVH,
         q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
         out.stride(0), H if lse is None else lse.stride(0), page_table.stride(0),
+    )  # fmt: skip
+    meta = dict(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         RETURN_LSE=lse is not None, USE_TMA=use_tma,
@@ -323,7 +361,14 @@ def extend_attention(
         HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+
+    def launch(kc: torch.Tensor, vc: torch.Tensor) -> None:
+        # NOTE: every layer's cache shares the prepared one's shape, dtype and strides (one KV
+        # pool allocates them alike); only the pointers change, so nothing is re-checked here.
+        assert kc.shape == shape and vc.shape == shape, "cache differs from the prepared one"
+        kernel(*before, kc, vc, *after, **meta)
+
+    return launch, out, lse
 
 
 def extend_attention_ref(

@@ -12,6 +12,8 @@ The copy is memory-bound; 64-bit slot offsets keep pools beyond 2**31 elements c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels._triton import tl, triton
@@ -48,7 +50,7 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + slot * stride_vcs + offs_h * stride_vch + offs_d, v, mask=mask)
 
 
-def store_kv(
+def prepare_store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
@@ -56,8 +58,10 @@ def store_kv(
     slot_mapping: torch.Tensor,
     *,
     wrap=None,
-) -> None:
-    """k_cache[slot_mapping[t]] = k[t] and v_cache[slot_mapping[t]] = v[t] for every t."""
+) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """Check and bind everything but the cache tensors once; returns `launch(k_cache, v_cache)`
+    (None when there is nothing to store). Every cache later passed to `launch` must have the
+    shape, dtype and strides of the one given here (a KV pool's layers all do)."""
     T, KVH, D = k.shape
     assert v.shape == k.shape, f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -68,28 +72,34 @@ def store_kv(
     assert slot_mapping.shape == (T,), f"slot_mapping shape {tuple(slot_mapping.shape)}"
     assert slot_mapping.dtype in (torch.int32, torch.int64), f"slot dtype {slot_mapping.dtype}"
     if T == 0:
-        return
-    kernel = wrap(_store_kv_kernel) if wrap is not None else _store_kv_kernel
-    kernel[(T,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        KVH,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        HEAD_DIM=D,
-        BLOCK_H=triton.next_power_of_2(KVH),
-        BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
-    )
+        return None
+    kernel = (wrap(_store_kv_kernel) if wrap is not None else _store_kv_kernel)[(T,)]
+    shape = k_cache.shape
+    strides = (KVH, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+               k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    meta = dict(HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(KVH),
+                BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+
+    def launch(kc: torch.Tensor, vc: torch.Tensor) -> None:
+        assert kc.shape == shape and vc.shape == shape, "cache differs from the prepared one"
+        kernel(k, v, kc, vc, slot_mapping, *strides, **meta)
+
+    return launch
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    wrap=None,
+) -> None:
+    """k_cache[slot_mapping[t]] = k[t] and v_cache[slot_mapping[t]] = v[t] for every t."""
+    launch = prepare_store_kv(k, v, k_cache, v_cache, slot_mapping, wrap=wrap)
+    if launch is not None:
+        launch(k_cache, v_cache)
 
 
 def store_kv_ref(

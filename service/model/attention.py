@@ -12,7 +12,7 @@ kernels' launchers directly (the eager break needs no torch.ops dispatch: it is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -58,36 +58,35 @@ class AttentionBackend:
         return out.view(t, h * d)
 
     def plan(self, qkv: torch.Tensor, meta: ForwardMeta, out: torch.Tensor) -> BreakPlan:
-        """One batch's break for every layer: qkv (T, (H+2KVH)*D) and out (T, H*D) are fixed
-        buffers; T must be the live token count (padding rows are neither stored nor read)."""
+        """One batch's break for every layer, as `plan(layer)`: qkv (T, (H+2KVH)*D) and out
+        (T, H*D) are fixed buffers; T must be the live token count (padding rows are neither
+        stored nor read). On the Triton path both launches are checked and bound here, once per
+        batch; a layer then only swaps in its cache pointers."""
         t = qkv.shape[0]
         assert meta.batch_size > 0 and t == meta.num_tokens, "plan the live rows of a batch"
         q, k, v = self.split(qkv)
-        return BreakPlan(q=q, k=k, v=v, out=out.view(t, self.num_heads, self.head_dim),
-                         slots=meta.slot_mapping[:t], meta=meta, max_q_len=meta.max_q_len,
-                         scale=self.scale, use_triton=self.use_triton)
+        out = out.view(t, self.num_heads, self.head_dim)
+        slots, kv = meta.slot_mapping[:t], meta.kv
+        if not self.use_triton:
+            def reference(layer: int) -> None:
+                kc, vc = kv.k[layer], kv.v[layer]
+                ops.store_kv(k, v, kc, vc, slots, use_triton=False)
+                ops.extend_attention(q, k, v, kc, vc, meta.cu_seqlens_q, meta.prefix_lens,
+                                     meta.page_table, kv.page_size, meta.max_q_len,
+                                     sm_scale=self.scale, out=out, use_triton=False)
+            return reference
+
+        store = kv_store.prepare_store_kv(k, v, kv.k[0], kv.v[0], slots)
+        attend, _, _ = attn_kernel.prepare_extend_attention(
+            q, k, v, kv.k[0], kv.v[0], meta.cu_seqlens_q, meta.prefix_lens, meta.page_table,
+            kv.page_size, meta.max_q_len, self.scale, out)
+
+        def triton(layer: int) -> None:
+            kc, vc = kv.k[layer], kv.v[layer]
+            store(kc, vc)  # t > 0, so neither launch is None
+            attend(kc, vc)
+        return triton
 
 
-@dataclass(frozen=True)
-class BreakPlan:
-    q: torch.Tensor  # (T, H, D)
-    k: torch.Tensor  # (T, KVH, D)
-    v: torch.Tensor  # (T, KVH, D)
-    out: torch.Tensor  # (T, H, D)
-    slots: torch.Tensor  # (T,)
-    meta: ForwardMeta
-    max_q_len: int
-    scale: float
-    use_triton: bool
-
-    def __call__(self, layer: int) -> None:
-        m = self.meta
-        kc, vc = m.kv.k[layer], m.kv.v[layer]
-        args = (self.q, self.k, self.v, kc, vc, m.cu_seqlens_q, m.prefix_lens, m.page_table,
-                m.kv.page_size, self.max_q_len, self.scale)
-        if self.use_triton:
-            kv_store.store_kv(self.k, self.v, kc, vc, self.slots)
-            attn_kernel.extend_attention(*args, out=self.out)
-        else:
-            ops.store_kv(self.k, self.v, kc, vc, self.slots, use_triton=False)
-            ops.extend_attention(*args, out=self.out, use_triton=False)
+# A prepared break: call it with a layer index (one KV-store and one attention launch).
+BreakPlan = Callable[[int], None]
