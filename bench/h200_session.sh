@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session, most important first; results are re-packed after every step so a run cut
-# short still returns what it measured. Needs the service's wheels in .whl/ (fastapi, uvicorn,
-# pydantic(-settings), ...) and, for the load test on random weights, a tokenizer directory
-# (.gpu_assets/smollm2: tokenizer.json + config.json exported from the default GGUF).
+# short still returns what it measured. First, here: `bash bench/prepare_device.sh` (the wheels
+# the GPU image lacks in .whl/, SmolLM2's tokenizer in .gpu_assets/); carry both.
 # Usage (device tool, repo root): bash bench/h200_session.sh   -> $OUT/results.tgz
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
