@@ -30,7 +30,6 @@ class SeqChunk:
 class PrefillBatch:
     """Owns the flat tensors of one forward. `input_ids`/`positions` may be padded past T."""
 
-    chunks: tuple[SeqChunk, ...]
     input_ids: torch.Tensor  # (T_padded,) int64
     positions: torch.Tensor  # (T_padded,) int64
     meta: ForwardMeta
@@ -83,5 +82,4 @@ def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
         prefix_lens_host=tuple(prefix.tolist()),
         kv=kv,
     )
-    return PrefillBatch(tuple(chunks), dev(ids, torch.int64), dev(pos, torch.int64), meta,
-                        tuple(rows))
+    return PrefillBatch(dev(ids, torch.int64), dev(pos, torch.int64), meta, tuple(rows))
