@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,10 +48,10 @@ MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")
 LAT_TOKENS = (16, 64, 256, 1024, 4096, 8192)
 PAGE, FRACTION = 16, 0.85
 # Most informative first, so a tight --budget-s still yields the key comparisons.
-RUNS = [(m, "main") for m in MODELS] + [("smollm2-135m", "dp1")] + [
+RUNS = [(m, "main") for m in MODELS] + [("smollm2-135m", "warm"), ("smollm2-135m", "dp1")] + [
     (m, v) for m in ("llama-3.2-1b", "smollm2-135m") for v in ("ungated", "separate")] + [
     ("qwen2.5-0.5b", "ungated"), ("qwen2.5-0.5b", "separate")] + [
-    (m, "warm") for m in MODELS]
+    (m, "warm") for m in ("llama-3.2-1b", "qwen2.5-0.5b")]
 TINY = dict(num_layers=2, vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4,
             num_kv_heads=2, head_dim=16)
 
@@ -112,7 +113,11 @@ def latency(runner: PrefillRunner, cuda: bool, sizes: tuple[int, ...]) -> list[d
     return [latency_one(runner, pool, n, cuda) for n in sizes]
 
 
-def worker(spec: dict) -> dict:
+def worker(spec: dict, group: DPGroup | None = None,
+           then: Callable[[PrefillRunner, KVPool], dict] | None = None) -> dict:
+    """One (model, variant) run. `group`: this rank of a multi-GPU DP group (bench/dp.py);
+    `then(runner, pool)` runs on the captured runner and the KV pool sized at FRACTION, its
+    result stored under "then" (bench/dp.py's throughput)."""
     cuda = spec["device"] == "cuda"
     mem = Mem(cuda)
     dev = torch.device(spec["device"])
@@ -127,9 +132,9 @@ def worker(spec: dict) -> dict:
     stream = torch.cuda.Stream() if cuda else None
     backend = (CudaGraphBackend(stream, shared_pool=variant != "separate") if cuda
                else SegmentBackend())
+    dp = group if group is not None else (DPGroup() if variant == "dp1" else None)
     runner = PrefillRunner(model, Buckets(default_ladder(spec["max_tokens"])), backend,
-                           dp=DPGroup() if variant == "dp1" else None, stream=stream,
-                           retain_capture_batch=variant == "ungated")
+                           dp=dp, stream=stream, retain_capture_batch=variant.endswith("ungated"))
     scratch = KVPool(cfg, PAGE, PAGE, dtype, dev)
     out: dict = dict(model=spec["model"], variant=variant, weights_bytes=weights,
                      buckets=len(runner.buckets), free_before=free_before)
@@ -163,7 +168,7 @@ def worker(spec: dict) -> dict:
                free_after_capture=f1)
     out["pool_bytes"] = out["reserved_growth_bytes"] - out["static_bytes"]
     out["non_allocator_bytes"] = out["capture_bytes"] - out["reserved_growth_bytes"]
-    if variant == "dp1":
+    if dp is not None:
         out["retained_per_bucket"] = {n: runner._dp_inputs(n).nbytes for n in runner.captured}
     fb, fn = (free_before, f1) if cuda else (64 << 20, (64 << 20) - weights)  # CPU: pretend
     plan = plan_kv(fb, fn, FRACTION, cfg, dtype.itemsize, PAGE, (2 << 20) if cuda else 1)
@@ -171,6 +176,8 @@ def worker(spec: dict) -> dict:
     out.update(kv_bytes_formula=plan.kv_bytes, kv_ideal_tokens=plan.kv_bytes // max(
         cfg.kv_bytes_per_token(dtype.itemsize), 1), kv_tokens=pool.capacity_tokens,
         kv_pool_bytes=pool.nbytes)
+    if then is not None:
+        out["then"] = then(runner, pool)
     del pool
     mem.settle()
     if spec.get("latency"):

@@ -3,27 +3,31 @@
 # short still returns what it measured. First, here: `bash bench/prepare_device.sh` (the wheels
 # the GPU image lacks in .whl/, SmolLM2's tokenizer in .gpu_assets/); carry both.
 # Usage (device tool, repo root): bash bench/h200_session.sh   -> $OUT/results.tgz
+# On a two-GPU machine, two instances can share the call: TAG names each one's results, e.g.
+#   CUDA_VISIBLE_DEVICES=0 TAG=a STEPS=capture bash bench/h200_session.sh &
+#   CUDA_VISIBLE_DEVICES=1 TAG=b STEPS=e2e bash bench/h200_session.sh; wait
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-R=$OUT/r; mkdir -p "$R"; ROOT=$OUT
+[ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD
+TAG=${TAG:-}; R=$OUT/r$TAG; mkdir -p "$R"; ROOT=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
   > "$R/gpu.txt"
-STEPS=${STEPS:-load gpu_tests kernel_tests capture sanitizer e2e}
+STEPS=${STEPS:-load gpu_tests dp kernel_tests capture sanitizer e2e}
 step() {
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $name ($(date +%T))"
   timeout "$limit" "$@" > "$R/$name.log" 2>&1
   echo "   rc=$? $(tail -1 "$R/$name.log")"
-  tar czf "$ROOT/results.tgz" -C "$ROOT" r
+  tar czf "$ROOT/results$TAG.tgz" -C "$ROOT" "r$TAG"
 }
 step load "${T_LOAD:-70}" env OUT="$R" python3 bench/load.py --spawn --env DEVICE=cuda \
   --env MODEL_PRESET=smollm2-135m --env MODEL_PATH=.gpu_assets/smollm2 \
   --concurrency 1,4,16,64 --duration 4 --prompt-tokens 128 --ready-timeout 60
 step gpu_tests "${T_TESTS:-70}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/engine/test_graph_gpu.py tests/model/test_model_gpu.py
+step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"
 step kernel_tests "${T_KT:-50}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/kernels/test_kernels_gpu.py -k "batch_of_64 or table_configs or graph_capture or opcheck"
 step capture "${T_CAP:-95}" env OUT="$R" python3 -m bench.capture --budget-s "${CAP_BUDGET:-50}"
