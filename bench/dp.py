@@ -207,6 +207,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--variants", default="main,dp,ungated", help="main = DP size 1 (non-DP)")
     p.add_argument("--cases", default=",".join(f"{b}x{s}" for b, s in CASES))
     args = p.parse_args()
     args.cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
@@ -216,12 +217,11 @@ def main() -> None:
     else:
         assert torch.cuda.device_count() >= args.world, f"needs {args.world} GPUs"
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (KINDS.md)
-    results = []
+    results, variants = [], args.variants.split(",")
     for model in args.models.split(","):
-        results.append(run(model, "main", 1, args))
-        results.append(run(model, "dp", args.world, args))
-        if model == args.models.split(",")[0]:
-            results.append(run(model, "ungated", args.world, args))
+        for variant in variants:  # ungated (capture memory only) on the first model alone
+            if variant != "ungated" or model == args.models.split(",")[0]:
+                results.append(run(model, variant, 1 if variant == "main" else args.world, args))
     md = report(results)
     pngs = plot(results, out_dir())
     write_results(out_dir(), "dp", run_meta(), {"results": results},

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from kernels._triton import tl, triton
 from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, pick_config
+from kernels.launch import Relauncher
 
 __all__ = [
     "INTERPRETER_CONFIG",
@@ -341,10 +342,9 @@ def prepare_extend_attention(
     if use_tma:
         k_desc, v_desc = (_tma_descriptor(x, cfg.block_n, D) for x in (k, v))
     n_m = triton.cdiv(max_q_len, cfg.block_m)
-    kernel = wrap(_extend_attention_kernel) if wrap is not None else _extend_attention_kernel
-    kernel = kernel[(H, n_m, B) if cfg.heads_first else (n_m, H, B)]
+    grid = (H, n_m, B) if cfg.heads_first else (n_m, H, B)
     shape = k_cache.shape
-    before = (q, k, v)
+    before = (q, k, v, k_cache, v_cache)
     after = (
         out, lse if lse is not None else out, k_desc, v_desc,
         cu_seqlens_q, prefix_lens, page_table,
@@ -362,11 +362,13 @@ def prepare_extend_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
+    kernel = Relauncher(_extend_attention_kernel, grid, (*before, *after), meta, (3, 4), wrap)
+
     def launch(kc: torch.Tensor, vc: torch.Tensor) -> None:
         # NOTE: every layer's cache shares the prepared one's shape, dtype and strides (one KV
         # pool allocates them alike); only the pointers change, so nothing is re-checked here.
         assert kc.shape == shape and vc.shape == shape, "cache differs from the prepared one"
-        kernel(*before, kc, vc, *after, **meta)
+        kernel(kc, vc)
 
     return launch, out, lse
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kernels._triton import tl, triton
+from kernels.launch import Relauncher
 
 
 @triton.jit
@@ -73,16 +74,18 @@ def prepare_store_kv(
     assert slot_mapping.dtype in (torch.int32, torch.int64), f"slot dtype {slot_mapping.dtype}"
     if T == 0:
         return None
-    kernel = (wrap(_store_kv_kernel) if wrap is not None else _store_kv_kernel)[(T,)]
     shape = k_cache.shape
     strides = (KVH, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
                k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     meta = dict(HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(KVH),
                 BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
+    kernel = Relauncher(_store_kv_kernel, (T,), (k, v, k_cache, v_cache, slot_mapping, *strides),
+                        meta, (2, 3), wrap)
+
     def launch(kc: torch.Tensor, vc: torch.Tensor) -> None:
         assert kc.shape == shape and vc.shape == shape, "cache differs from the prepared one"
-        kernel(k, v, kc, vc, slot_mapping, *strides, **meta)
+        kernel(kc, vc)
 
     return launch
 

@@ -124,3 +124,36 @@ def test_graph_capture_of_dense_ops_and_attention(close, attn_batch):
     close(out_act.float(), ops.silu_and_mul(x.float(), use_triton=False), BF16, "act")
     ref = extend_attention_ref(*batch.args(torch.float32))
     close(out_attn.float(), ref, BF16, "attention")
+
+
+def test_prepared_launches_relaunch_compiled_kernels_per_layer(close, attn_batch, monkeypatch):
+    """A prepared break goes through Triton's JIT once per kernel, then relaunches the compiled
+    kernels directly with each layer's caches: results equal the reference for every layer."""
+    from kernels import extend_attention as ea
+    from kernels import kv_store
+
+    layers = [attn_batch([100, 37, 1], [20, 0, 45], 16, 8, 2, 64, BF16, "cuda") for _ in range(3)]
+    b0 = layers[0]
+    q, k, v = b0.q, b0.k, b0.v
+    caches = [(b.k_cache, b.v_cache) for b in layers]
+    jit_calls = []
+    for fn in (ea._extend_attention_kernel, kv_store._store_kv_kernel):
+        monkeypatch.setattr(fn, "run", lambda *a, _run=fn.run, **kw: (jit_calls.append(1),
+                                                                      _run(*a, **kw))[1])
+    out = b0.poisoned_out()
+    attend, _, _ = ea.prepare_extend_attention(
+        q, k, v, *caches[0], b0.cu_seqlens_q, b0.prefix_lens, b0.page_table, 16, b0.max_q_len,
+        out=out)
+    slots = torch.arange(b0.T, device="cuda", dtype=torch.int64) + 5
+    store = kv_store.prepare_store_kv(k, v, *caches[0], slots)
+    for i, (kc, vc) in enumerate(caches):
+        out.fill_(float("nan"))
+        attend(kc, vc)
+        ref = extend_attention_ref(q.float(), k.float(), v.float(), kc.float(), vc.float(),
+                                   b0.cu_seqlens_q, b0.prefix_lens, b0.page_table, 16,
+                                   b0.max_q_len)
+        close(out.float(), ref, BF16, f"attention, layer {i}")
+        sk, sv = torch.zeros_like(kc), torch.zeros_like(vc)
+        store(sk, sv)
+        assert torch.equal(sk[slots], k) and torch.equal(sv[slots], v), f"store, layer {i}"
+    assert len(jit_calls) == 2, f"{len(jit_calls)} JIT launches for 2 kernels x 3 layers"

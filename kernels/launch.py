@@ -1,0 +1,74 @@
+"""Relaunch one compiled Triton kernel with a few tensors swapped, skipping the JIT's per-call work.
+
+`kernel[grid](*args)` re-binds and re-specializes every argument, hashes a cache key and looks
+the compiled kernel up on every call: 30-50 us of host time per launch on the H200's host
+(bench/launch_overhead.py), more than the GPU needs for a break's kernels on a small batch.
+A break launches the same kernel once per layer and only the KV-cache pointers change, so
+`Relauncher` goes through the JIT once (it compiles or loads the kernel and hands back the
+CompiledKernel), keeps the bound argument list, and from then on calls the compiled kernel's
+launcher directly with the new tensors in place.
+
+The compiled kernel is specialized on each pointer's 16-byte alignment, so a swapped tensor
+must share the first one's dtype and alignment (checked per call; a KV pool's layers are all
+aligned alike). Under TRITON_INTERPRET=1 (no compiled kernels), with `wrap` (tracing) and while
+a launch hook is installed (profilers), every call takes the JIT path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kernels._triton import HAS_TRITON
+
+if HAS_TRITON:
+    from triton import knobs
+    from triton.runtime.driver import driver
+else:  # pragma: no cover - the JIT path raises its own clear error at launch
+    knobs = driver = None
+
+
+class Relauncher:
+    """`fn[grid](*args, **kwargs)` with the positional args at `swap` replaced per call."""
+
+    def __init__(self, fn: Any, grid: tuple[int, ...], args: Sequence[Any],
+                 kwargs: dict[str, Any], swap: Sequence[int], wrap: Callable | None = None):
+        self.fn, self.grid, self.kwargs = fn, tuple(grid) + (1,) * (3 - len(grid)), kwargs
+        self.args, self.swap = list(args), tuple(swap)
+        self.wrap = wrap
+        self._fast: tuple | None = None  # (launcher, function, packed metadata, bound values)
+        self._can_fast = wrap is None and hasattr(fn, "device_caches")
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        assert len(tensors) == len(self.swap), f"{len(tensors)} tensors for {len(self.swap)} slots"
+        if self._fast is not None and knobs.runtime.launch_enter_hook is None:
+            launcher, function, packed, vals, aligned = self._fast
+            for i, t in zip(self.swap, tensors):
+                assert t.dtype == aligned[i][0] and (t.data_ptr() % 16 == 0) == aligned[i][1], (
+                    "swapped tensor differs in dtype or alignment from the compiled one")
+                vals[i] = t
+            stream = driver.active.get_current_stream(tensors[0].device.index)
+            launcher(*self.grid, stream, function, packed, None, None, None, *vals)
+            return
+        args = list(self.args)
+        for i, t in zip(self.swap, tensors):
+            args[i] = t
+        fn = self.wrap(self.fn) if self.wrap is not None else self.fn
+        compiled = fn[self.grid](*args, **self.kwargs)
+        if self._can_fast and self._fast is None:
+            self._fast = self._bind(compiled, args)
+
+    def _bind(self, compiled: Any, args: list) -> tuple | None:
+        """The launcher and full argument list (constexprs included, in signature order) that
+        Triton's JIT passed to this compiled kernel; None where that cannot be had."""
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            return None
+        device = driver.active.get_current_device()
+        binder = self.fn.device_caches[device][4]
+        bound, _, _ = binder(*args, **self.kwargs)
+        vals = list(bound.values())  # positional args fill the first parameters, in order
+        aligned = {i: (args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.swap}
+        return compiled.run, compiled.function, compiled.packed_metadata, vals, aligned
