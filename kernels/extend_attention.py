@@ -95,6 +95,7 @@ def _extend_attention_kernel(
     cu_seqlens_q_ptr,
     prefix_lens_ptr,
     page_table_ptr,
+    slot_ptr,
     qk_scale,
     kv_group,
     stride_qt,
@@ -116,6 +117,7 @@ def _extend_attention_kernel(
     DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (H, n_m, B): all heads of the longest q-blocks launch first
         h = tl.program_id(0)
@@ -220,6 +222,16 @@ def _extend_attention_kernel(
             mask=valid[:, None] & d_mask[None, :],
             other=0.0,
         )
+        if STORE_KV:
+            # The fused KV store: the diagonal blocks of one head per KV group cover every new
+            # row exactly once. No other program reads these slots (the prefix part reads only
+            # slots below each sequence's prefix length), so storing here cannot race.
+            if h % kv_group == 0:
+                slot = tl.load(slot_ptr + q_start + rows, mask=valid, other=0).to(tl.int64)
+                tl.store(kc_base + slot[None, :] * stride_kcs + offs_d[:, None], k,
+                         mask=valid[None, :] & d_mask[:, None])
+                tl.store(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], v,
+                         mask=valid[:, None] & d_mask[None, :])
         qk = _dot(q, k, None, DOT_PRECISION, DOT_UPCAST)
         qk = tl.where(offs_m[:, None] >= rows[None, :], qk, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION, DOT_UPCAST)
@@ -289,12 +301,15 @@ def prepare_extend_attention(
     return_lse: bool = False,
     config: AttnConfig | None = None,
     wrap=None,
+    store_slots: torch.Tensor | None = None,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None] | None, torch.Tensor,
            torch.Tensor | None]:
     """Causal attention of each sequence's new tokens to its cached prefix and to themselves.
 
     max_q_len must be >= the longest sequence's new-token count (an upper bound is fine).
     `wrap` (e.g. torch.library.wrap_triton) is applied to the kernel before launch.
+    `store_slots` (T,): also write k and v into the caches at these slots (the KV store fused
+    into the same launch: one launch per layer in a graph break instead of two).
     Returns (launch, o, lse): everything is checked and bound once; `launch(k_cache, v_cache)`
     runs the kernel on one layer's cache (None when there is nothing to compute). o is (T, H, D);
     lse (T, H) fp32 natural-log, or None unless return_lse / `lse` was given.
@@ -330,6 +345,9 @@ def prepare_extend_attention(
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if lse is not None:
         assert lse.shape == (T, H) and lse.dtype == torch.float32 and lse.stride(1) == 1
+    if store_slots is not None:
+        assert store_slots.shape == (T,) and store_slots.dtype in (torch.int32, torch.int64), (
+            f"store_slots must be ({T},) int32/int64")
     if B == 0 or max_q_len <= 0 or T == 0:
         return None, out, lse
 
@@ -348,6 +366,7 @@ def prepare_extend_attention(
     after = (
         out, lse if lse is not None else out, k_desc, v_desc,
         cu_seqlens_q, prefix_lens, page_table,
+        store_slots if store_slots is not None else cu_seqlens_q,
         scale * _LOG2E, H // KVH,
         q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
         out.stride(0), H if lse is None else lse.stride(0), page_table.stride(0),
@@ -359,6 +378,7 @@ def prepare_extend_attention(
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.device.type == "cpu" and dtype == torch.bfloat16,
         HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
+        STORE_KV=store_slots is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

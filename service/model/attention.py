@@ -6,8 +6,9 @@ PyTorch references (CPU, and the accuracy baseline on GPU).
 
 `plan(qkv, meta, out)` prepares one batch's break once (views, metadata, max_q_len) for the
 graph runner, whose qkv/attention buffers are the same for every layer; calling the plan with a
-layer index is then exactly one KV-store launch and one attention launch, made through the
-kernels' launchers directly (the eager break needs no torch.ops dispatch: it is never traced).
+layer index is then exactly one launch: attention with the KV store fused in, relaunched
+through the compiled kernel (kernels/launch.py; the eager break needs no torch.ops dispatch:
+it is never traced).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import extend_attention as attn_kernel
-from kernels import kv_store, ops
+from kernels import ops
 from service.model.meta import ForwardMeta
 
 BACKENDS = ("triton", "torch")
@@ -60,7 +61,7 @@ class AttentionBackend:
     def plan(self, qkv: torch.Tensor, meta: ForwardMeta, out: torch.Tensor) -> BreakPlan:
         """One batch's break for every layer, as `plan(layer)`: qkv (T, (H+2KVH)*D) and out
         (T, H*D) are fixed buffers; T must be the live token count (padding rows are neither
-        stored nor read). On the Triton path both launches are checked and bound here, once per
+        stored nor read). On the Triton path the launch is checked and bound here, once per
         batch; a layer then only swaps in its cache pointers."""
         t = qkv.shape[0]
         assert meta.batch_size > 0 and t == meta.num_tokens, "plan the live rows of a batch"
@@ -76,17 +77,15 @@ class AttentionBackend:
                                      sm_scale=self.scale, out=out, use_triton=False)
             return reference
 
-        store = kv_store.prepare_store_kv(k, v, kv.k[0], kv.v[0], slots)
         attend, _, _ = attn_kernel.prepare_extend_attention(
             q, k, v, kv.k[0], kv.v[0], meta.cu_seqlens_q, meta.prefix_lens, meta.page_table,
-            kv.page_size, meta.max_q_len, self.scale, out)
+            kv.page_size, meta.max_q_len, self.scale, out, store_slots=slots)
+        caches = list(zip(kv.k, kv.v))
 
         def triton(layer: int) -> None:
-            kc, vc = kv.k[layer], kv.v[layer]
-            store(kc, vc)  # t > 0, so neither launch is None
-            attend(kc, vc)
+            attend(*caches[layer])  # t > 0, so the launch is not None
         return triton
 
 
-# A prepared break: call it with a layer index (one KV-store and one attention launch).
+# A prepared break: call it with a layer index (one attention launch with the KV store fused).
 BreakPlan = Callable[[int], None]

@@ -135,3 +135,31 @@ def test_launcher_asserts(device, attn_batch):
         extend_attention(
             q.repeat(1, 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1), v, kc, vc, cu, pl, pt, ps, mq
         )
+
+
+@pytest.mark.parametrize("H,KVH,D,dtype", [(4, 4, 64, F32), (7, 1, 64, BF16), (6, 2, 80, F32),
+                                           (8, 2, 128, BF16)])
+def test_fused_kv_store(H, KVH, D, dtype, device, close, attn_batch):
+    """store_slots: the same launch writes every new row's K and V to its slot (as store_kv_ref
+    does) and the attention output is unchanged; slots of the prefix are never touched."""
+    from kernels.extend_attention import prepare_extend_attention
+    from kernels.kv_store import store_kv_ref
+
+    qlens, plens = [1, 7, 65, 33], [0, 23, 37, 16]
+    batch = attn_batch(qlens, plens, 16, H, KVH, D, dtype, device)
+    n = batch.n_valid
+    pt = batch.page_table.cpu()
+    slots = torch.tensor([int(pt[b, pos // 16]) * 16 + pos % 16  # right after each prefix
+                          for b, (q, p) in enumerate(zip(qlens, plens))
+                          for pos in range(p, p + q)], device=device)
+    want_k, want_v = batch.k_cache.clone(), batch.v_cache.clone()
+    store_kv_ref(batch.k[:n], batch.v[:n], want_k, want_v, slots)
+    out = batch.poisoned_out()
+    q, k, v, kc, vc, *rest = batch.args()
+    launch, _, _ = prepare_extend_attention(q, k, v, kc, vc, *rest, out=out,
+                                            config=_config(device), store_slots=slots)
+    launch(kc, vc)
+    assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0)), "k cache"
+    assert torch.equal(vc.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v cache"
+    ref = extend_attention_ref(*batch.args(torch.float32))
+    close(out[:n].float(), ref[:n], dtype, "o")
