@@ -56,7 +56,9 @@ def throughput(runner: PrefillRunner, pool: KVPool, cases, iters: int, cuda: boo
         def step(prompts: list = prompts, s: int = s) -> str:
             chunks = [SeqChunk(p, 0, tuple(pool.allocator.alloc(-(-s // PAGE))))
                       for p in prompts]
-            _, _, mode = runner.prefill(chunks, pool.cache)  # logits reach the host: synced
+            _, _, mode = runner.prefill(chunks, pool.cache)
+            if cuda:  # the logits stay on the device: wait for them, as a server would
+                torch.cuda.synchronize(runner.device)
             for c in chunks:
                 pool.allocator.free(list(c.pages))
             return mode

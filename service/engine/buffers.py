@@ -10,7 +10,17 @@ Lifetimes within one layer let three roles share the `arena`:
     silu in place ──down──> hidden      both dead before gate_up overwrites them)
     hidden ⟳ add+norm ──qkv──> qkv
 
-so the arena is max(rows·2F, rows·(qkv + attn)) elements, not their sum.
+The arena is sized for the break, rows·(qkv + attn) elements, not for the MLP: 2F is 2-3x
+wider than qkv + attn in every real model (SmolLM2-135M: 3072 vs 1536), so sizing for it
+doubled or tripled the arena. The MLP instead runs in row chunks of at most `mlp_rows` rows:
+all rows when they fit, else as many as fit rounded down to a multiple of 16, and at least 16
+(the arena grows to 16 rows of 2F when the break needs less). Chunk shapes are fixed per
+bucket, so the loop is captured like any segment. The arena never exceeds the old
+max(rows·2F, rows·(qkv + attn)).
+
+Data parallel with world > 1 keeps the unchunked scratch, world·rows gathered rows of this
+rank's 2F/world: they come from and go to a collective as one block. (DP with world 1 has no
+collective and chunks like the plain path.)
 """
 
 from __future__ import annotations
@@ -20,6 +30,16 @@ from dataclasses import dataclass
 import torch
 
 from service.model.config import ModelConfig
+from service.model.llama import MLP_ROW_ALIGN
+
+
+def mlp_chunk_rows(arena_elems: int, mlp_width: int, max_tokens: int) -> int:
+    """Rows of MLP scratch (gate|up, `mlp_width` wide) the arena holds: all `max_tokens` when
+    they fit, else as many as fit rounded down to MLP_ROW_ALIGN, never fewer than that."""
+    fit = arena_elems // mlp_width
+    if fit >= max_tokens:
+        return max_tokens
+    return min(max_tokens, max(MLP_ROW_ALIGN, fit // MLP_ROW_ALIGN * MLP_ROW_ALIGN))
 
 
 @dataclass(frozen=True)
@@ -33,7 +53,9 @@ class BucketViews:
     hidden: torch.Tensor  # (n, D): MLP output, normed input of QKV, final normed output
     qkv: torch.Tensor  # (n, q + 2kv) crosses the break into attention
     attn: torch.Tensor  # (n, q) crosses the break out of attention
-    mlp_scratch: torch.Tensor  # (world·n, 2F/world): gate|up, then the activation in place
+    # (min(n, mlp_rows), 2F), DP world > 1: (world·n, 2F/world): gate|up, then the activation in
+    # place; fewer rows than n make the MLP run in row chunks (service.model.llama.swiglu)
+    mlp_scratch: torch.Tensor
     gathered: torch.Tensor | None  # (world·n, D) DP only, world > 1
     partial: torch.Tensor | None  # (world·n, D) DP only, world > 1
 
@@ -49,6 +71,7 @@ class StaticBuffers:
     qkv_width: int
     attn_width: int
     mlp_width: int  # gate|up output features of this rank's MLP (2F / world)
+    mlp_rows: int  # rows of MLP scratch per rank (max_tokens when world > 1)
     world: int
     gathered: torch.Tensor | None = None
     partial: torch.Tensor | None = None
@@ -58,16 +81,18 @@ class StaticBuffers:
                  device: torch.device | str, mlp_width: int, world: int = 1) -> StaticBuffers:
         m, d = max_tokens, cfg.hidden_size
         qkv_w, attn_w = cfg.q_size + 2 * cfg.kv_size, cfg.q_size
-        arena = max(m * world * mlp_width, m * (qkv_w + attn_w))
+        dp = world > 1
+        brk = m * (qkv_w + attn_w)
+        mlp_rows = m if dp else mlp_chunk_rows(brk, mlp_width, m)
+        arena = max(brk, world * mlp_rows * mlp_width)
 
         def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
 
-        dp = world > 1
         return cls(
             max_tokens=m, input_ids=zeros(m, dt=torch.int64), positions=zeros(m, dt=torch.int64),
             residual=zeros(m, d), hidden=zeros(m, d), arena=zeros(arena), qkv_width=qkv_w,
-            attn_width=attn_w, mlp_width=mlp_width, world=world,
+            attn_width=attn_w, mlp_width=mlp_width, mlp_rows=mlp_rows, world=world,
             gathered=zeros(world * m, d) if dp else None,
             partial=zeros(world * m, d) if dp else None,
         )
@@ -78,11 +103,12 @@ class StaticBuffers:
         a = self.arena
         qkv = a[: m * self.qkv_width].view(m, self.qkv_width)
         attn = a[m * self.qkv_width : m * (self.qkv_width + self.attn_width)].view(m, -1)
-        mlp = a[: m * w * self.mlp_width].view(m * w, self.mlp_width)
+        r = w * self.mlp_rows
+        mlp = a[: r * self.mlp_width].view(r, self.mlp_width)
         return BucketViews(
             n=n, input_ids=self.input_ids[:n], positions=self.positions[:n],
             residual=self.residual[:n], hidden=self.hidden[:n], qkv=qkv[:n], attn=attn[:n],
-            mlp_scratch=mlp[: w * n],
+            mlp_scratch=mlp[: w * min(n, self.mlp_rows)],
             gathered=self.gathered[: w * n] if self.gathered is not None else None,
             partial=self.partial[: w * n] if self.partial is not None else None,
         )

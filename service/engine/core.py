@@ -33,6 +33,7 @@ from service.engine.memory import (
 )
 from service.engine.pages import pages_for
 from service.engine.runner import PrefillRunner
+from service.engine.sampling import LastRow, last_rows
 from service.model.config import preset
 from service.model.loader import LoadedModel, default_model_path, load_model, random_model
 
@@ -44,7 +45,8 @@ __all__ = ["EngineCore", "ForwardOutput", "InsufficientMemory", "MemoryReport"]
 
 
 class ForwardOutput(NamedTuple):
-    logits: list[torch.Tensor]  # per chunk: (rows, vocab) fp32 on the CPU
+    logits: list[torch.Tensor]  # per chunk: (rows, vocab) fp32 on the model's device
+    last: list[LastRow]  # per chunk: its last row's greedy token and top logprobs, on the host
     mode: str  # "graph" | "eager"
     seconds: float
 
@@ -146,19 +148,25 @@ class EngineCore:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
+        """Logits stay on the device; every chunk's last row (the first token needs it) is
+        reduced there in one batch and only that summary crosses to the host."""
         t0 = time.perf_counter()
         tokens = sum(c.num_tokens for c in chunks)
         assert tokens <= self.max_batch_tokens, (
             f"batch of {tokens} tokens exceeds MAX_PREFILL_TOKENS={self.max_batch_tokens}")
+        assert all(c.num_tokens for c in chunks), "every chunk needs at least one new token"
         logits, batch, mode = self.runner.prefill(chunks, self.pool.cache)
-        return ForwardOutput([logits[s:e] for s, e in batch.logits_rows], mode,
+        rows = batch.logits_rows
+        ends = logits[[e - 1 for _, e in rows]]  # (B, vocab): every chunk's last row
+        last = last_rows(ends) if rows else []
+        return ForwardOutput([logits[s:e] for s, e in rows], last, mode,
                              time.perf_counter() - t0)
 
     def prefill_chunked(self, token_ids: list[int], chunk_tokens: int | None = None
                         ) -> torch.Tensor:
         """One prompt, prefilled `chunk_tokens` at a time, each chunk attending to the KV the
-        earlier ones wrote; returns the last token's logits (vocab,). For tests and benches:
-        the scheduler splits long prompts itself."""
+        earlier ones wrote; returns the last token's logits (vocab,) on the model's device. For
+        tests and benches: the scheduler splits long prompts itself."""
         step = chunk_tokens or self.max_batch_tokens
         pages = self.pool.allocator.alloc(pages_for(len(token_ids), self.pool.page_size))
         try:

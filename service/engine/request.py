@@ -11,6 +11,7 @@ import torch
 from service.engine.batch import SeqChunk
 from service.engine.pages import pages_for
 from service.engine.sampling import (
+    LastRow,
     PositionLogprobs,
     SamplingParams,
     next_token,
@@ -77,9 +78,10 @@ class Request:
                         all_logits=self.params.prompt_logprobs)
 
 
-    def absorb(self, c: SeqChunk, logits: torch.Tensor) -> PromptResult | None:
-        """Account the logits of chunk `c` (its KV is written and `done` advanced); return the
-        result once the whole prompt is in."""
+    def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow
+               ) -> PromptResult | None:
+        """Account chunk `c` (its KV is written and `done` advanced): its device logits and the
+        host summary of its last row; return the result once the whole prompt is in."""
         last = self.done == self.num_tokens
         if self.params.prompt_logprobs:  # row i predicts the token after chunk position i
             targets = list(self.token_ids[c.prefix_len + 1:self.done])
@@ -89,7 +91,7 @@ class Request:
                                                self.params.top_logprobs)
         if not last:
             return None
-        first = next_token(logits[-1], self.params)
+        first = next_token(logits[-1], summary, self.params)
         now = time.perf_counter()
         return PromptResult(self.num_tokens, self.cached, first,
                             self.prompt_lps if self.params.prompt_logprobs else None,

@@ -104,9 +104,13 @@ class PrefillRunner:
     @torch.inference_mode()
     def prefill(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache
                 ) -> tuple[torch.Tensor, PrefillBatch, str]:
-        """Logits (rows, vocab) fp32 on the CPU, the batch, and "graph" | "eager".
+        """Logits (rows, vocab) fp32 on the model's device, the batch, and "graph" | "eager".
 
-        Data-parallel: every rank must call this in lockstep (an empty `chunks` is fine).
+        The logits stay on the device: callers reduce them there (service.engine.sampling) and
+        copy only the results. NOTE: they are allocated on the runner's stream; callers may read
+        them on their own stream because the next `prefill` waits for that stream before it can
+        reuse their memory. Data-parallel: every rank must call this in lockstep (an empty
+        `chunks` is fine).
         """
         t = sum(c.num_tokens for c in chunks)
         counts = self.dp.all_gather_counts(t) if self.dp is not None else None
@@ -116,11 +120,11 @@ class PrefillRunner:
             batch = build_batch(chunks, kv, self.device,
                                 pad_to=self.buckets.pad_to_bucket(n) if graph else n)
             if n == 0:
-                logits = torch.empty(0, self.cfg.vocab_size)
+                logits = torch.empty(0, self.cfg.vocab_size, device=self.device)
             elif graph:
-                logits = self.forward_graph(batch, counts).cpu()
+                logits = self.forward_graph(batch, counts)
             else:
-                logits = self.forward_eager(batch, counts).cpu()
+                logits = self.forward_eager(batch, counts)
         mode = "graph" if graph else "eager"
         self.forward_counts[mode] += 1
         return logits, batch, mode

@@ -1,4 +1,9 @@
-"""First-token sampling and logprobs from fp32 logits (CPU); no HTTP, no metrics.
+"""First-token sampling and logprobs from fp32 logits; no HTTP, no metrics.
+
+The reductions (log_softmax, argmax, top-k, gathers) run where the logits live, on the device in
+production, and only their small results are copied to the host: copying (rows, vocab) fp32
+through pageable memory and reducing it on the CPU cost more than the forward (64 rows of a
+152k vocab are 39 MB). Only seeded sampling copies one row, to draw on the CPU as before.
 
 Reported logprobs are those of the model's own distribution (fp32 log_softmax of the raw
 logits), not of the temperature/top-p/top-k-processed one, as vLLM and SGLang report by default.
@@ -15,6 +20,9 @@ from typing import NamedTuple
 import torch
 
 MAX_TOP_LOGPROBS = 20
+# Prompt-logprob rows reduced per step: the fp32 log_softmax temporary stays <= 256 x vocab
+# (155 MB at a 152k vocab) however many prompt rows a forward returns.
+PROMPT_ROWS_PER_STEP = 256
 
 
 @dataclass(frozen=True)
@@ -54,13 +62,29 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _top(logprobs: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
-    """Top-k of each row of (N, V) logprobs."""
-    if k == 0:
-        return [[] for _ in range(logprobs.shape[0])]
-    vals, ids = torch.topk(logprobs, k, dim=-1)
-    return [[TokenLogprob(int(i), float(v)) for i, v in zip(ri.tolist(), rv.tolist())]
-            for ri, rv in zip(ids, vals)]
+class LastRow(NamedTuple):
+    """What the first token needs from a chunk's last row: the greedy token (argmax of the raw
+    logits, as `choose` picks it) and the top-min(MAX_TOP_LOGPROBS, vocab) logprobs."""
+
+    greedy: TokenLogprob
+    top: list[TokenLogprob]
+
+
+def _pairs(ids: list[float], vals: list[float]) -> list[TokenLogprob]:
+    return [TokenLogprob(int(i), v) for i, v in zip(ids, vals)]
+
+
+def last_rows(logits: torch.Tensor) -> list[LastRow]:
+    """One `LastRow` per row of (B, V) logits, reduced in one batch where the logits live and
+    copied to the host as one (B, 2 + 2k) float64 tensor (exact for ids and fp32 values)."""
+    lp = log_softmax(logits)  # (B, V)
+    k = min(MAX_TOP_LOGPROBS, lp.shape[-1])
+    ids = torch.argmax(logits, dim=-1, keepdim=True)  # (B, 1)
+    vals, top = torch.topk(lp, k, dim=-1)  # (B, k)
+    packed = torch.cat([ids.double(), lp.gather(-1, ids).double(), top.double(), vals.double()],
+                       dim=-1)  # (B, 2 + 2k)
+    return [LastRow(TokenLogprob(int(r[0]), r[1]), _pairs(r[2:2 + k], r[2 + k:]))
+            for r in packed.tolist()]
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -87,21 +111,31 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=gen or make_generator(params.seed)))
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams) -> PositionLogprobs:
-    """The first generated token from the last position's (V,) logits, with its logprobs."""
-    lp = log_softmax(logits)
-    tok = choose(logits, params, None if params.greedy else make_generator(params.seed))
-    top = _top(lp[None], params.top_logprobs)[0]
-    return PositionLogprobs(TokenLogprob(tok, float(lp[tok])), top)
+def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> PositionLogprobs:
+    """The first generated token from the last position's (V,) logits `row` and its `last_rows`
+    summary. Greedy reads only the summary; sampling copies this one row to the host and draws
+    with the seeded CPU generator, so a seed picks the same token wherever the row lives."""
+    top = last.top[:params.top_logprobs]
+    if params.greedy:
+        return PositionLogprobs(last.greedy, top)
+    x = row.cpu()
+    tok = choose(x, params, make_generator(params.seed))
+    return PositionLogprobs(TokenLogprob(tok, float(log_softmax(x)[tok])), top)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[PositionLogprobs]:
-    """Logprob of `targets[i]` under row i of (N, V) logits (row i predicts the next token)."""
+    """Logprob of `targets[i]` under row i of (N, V) logits (row i predicts the next token), and
+    the top-k; reduced where the logits live, then one (N, 1 + 2k) float64 host copy."""
     assert logits.shape[0] == len(targets), f"{logits.shape[0]} rows for {len(targets)} targets"
     if not targets:
         return []
-    lp = log_softmax(logits)  # (N, V)
-    tgt = torch.tensor(targets, dtype=torch.int64)
-    picked = lp.gather(-1, tgt[:, None])[:, 0].tolist()
-    tops = _top(lp, k)
-    return [PositionLogprobs(TokenLogprob(t, v), top) for t, v, top in zip(targets, picked, tops)]
+    tgt = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+    parts = []
+    for lo in range(0, len(targets), PROMPT_ROWS_PER_STEP):  # bounds the (rows, V) temporary
+        lp = log_softmax(logits[lo:lo + PROMPT_ROWS_PER_STEP])
+        vals, ids = torch.topk(lp, k, dim=-1)  # (rows, k)
+        parts.append(torch.cat([lp.gather(-1, tgt[lo:lo + lp.shape[0], None]).double(),
+                                ids.double(), vals.double()], dim=-1))  # (rows, 1 + 2k)
+    packed = torch.cat(parts)
+    return [PositionLogprobs(TokenLogprob(t, r[0]), _pairs(r[1:1 + k], r[1 + k:]))
+            for t, r in zip(targets, packed.tolist())]

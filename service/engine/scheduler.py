@@ -275,14 +275,14 @@ class Scheduler:
         self.observer.on_forward(out.mode, out.seconds, sum(c.num_tokens for c in chunks),
                                  len(chunks))
         finished: list[tuple[Request, PromptResult | None, BaseException | None]] = []
-        for (r, c), logits in zip(batch, out.logits):
+        for (r, c), logits, summary in zip(batch, out.logits, out.last):
             if r.cancelled:
                 finished.append((r, None, None))
                 continue
             try:
                 r.done += c.num_tokens
                 self.cache.insert(r.keys or [], r.pages, r.done)
-                res = r.absorb(c, logits)
+                res = r.absorb(c, logits, summary)
             except Exception as e:  # noqa: BLE001 - a sampling bug fails this prompt only
                 log.exception("post-processing failed")
                 finished.append((r, None, ForwardFailed(f"{type(e).__name__}: {e}")))

@@ -5,7 +5,8 @@ Each layer is split at its attention *break* (`pre` → attention → `post`) so
 can capture the dense parts and run attention eagerly; `forward` is the same chain, eager.
 The dense methods take optional `out`/`scratch` buffers: the graph runner passes slices of its
 static buffers so that a captured segment allocates nothing; eager calls allocate as usual and
-run the very same kernels (so graph replay and eager agree bit for bit on the same rows).
+run the very same kernels (so graph replay and eager agree bit for bit on the same rows, except
+where the runner's MLP runs in row chunks: smaller matmuls that the BLAS may tile differently).
 """
 
 from __future__ import annotations
@@ -45,9 +46,46 @@ def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None) -> 
     return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
 
 
+MLP_ROW_ALIGN = 16  # MLP row chunks are multiples of this: whole GEMM row tiles
+
+
+def mlp_row_chunks(rows: int, cap: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of at most `cap` rows: k = ceil(rows / cap) chunks of ceil(rows / k)
+    rows rounded up to MLP_ROW_ALIGN (but at most `cap`), the last one taking the rest."""
+    assert rows > 0 and cap > 0, f"{rows} rows in chunks of at most {cap}"
+    k = -(-rows // cap)
+    if k == 1:
+        return [(0, rows)]
+    even = -(-rows // k)
+    size = min(cap, -(-even // MLP_ROW_ALIGN) * MLP_ROW_ALIGN)
+    return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+
+
 def swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
            out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """down(silu(gate) * up); `scratch` (T, 2F) holds gate|up, then the activation in place."""
+    """down(silu(gate) * up); `scratch` (≤T, 2F) holds gate|up, then the activation in place.
+
+    With fewer scratch rows than x has, runs in row chunks of nearly equal size (multiples of
+    MLP_ROW_ALIGN, so no chunk is a sliver with a mostly empty GEMM tile) that fit in it: the graph
+    runner's arena is sized for attention, not for 2F-wide rows. The chunk shapes depend on
+    the row count only, so a captured bucket replays the same loop.
+    """
+    rows = x.shape[0]
+    if scratch is None or scratch.shape[0] >= rows:
+        return _swiglu(x, gate_up, down, use_triton, out,
+                       None if scratch is None else scratch[:rows])
+    if out is None:
+        out = x.new_empty(rows, down.out_features)
+    # NOTE: the runner passes the same buffer as x and out (hidden). Chunk [lo, hi) reads
+    # x[lo:hi] (all of it, in the gate_up matmul) before writing out[lo:hi], and no chunk
+    # touches another's rows, so reading rows that an earlier chunk overwrote cannot happen.
+    for lo, hi in mlp_row_chunks(rows, scratch.shape[0]):
+        _swiglu(x[lo:hi], gate_up, down, use_triton, out[lo:hi], scratch[: hi - lo])
+    return out
+
+
+def _swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
+            out: torch.Tensor | None, scratch: torch.Tensor | None) -> torch.Tensor:
     gu = linear(x, gate_up, scratch)  # (T, 2F)
     f = gu.shape[1] // 2
     # NOTE: in place into gu's gate half (row stride 2F): each element of the gate half is read

@@ -86,9 +86,9 @@ def test_static_buffers_are_views_of_one_storage_for_every_bucket(captured):
             v.mlp_scratch.untyped_storage().data_ptr()} == {arena}
     qkv_end = v.qkv.data_ptr() + v.qkv.numel() * 4
     assert v.attn.data_ptr() >= qkv_end  # attention reads qkv while writing attn: disjoint
-    cfg = runner.cfg
-    elems = max(32 * 2 * cfg.intermediate_size, 32 * (2 * cfg.q_size + 2 * cfg.kv_size))
-    assert bufs.arena.numel() == elems
+    cfg = runner.cfg  # sized for the break; the MLP scratch takes the rows that fit
+    assert bufs.arena.numel() == 32 * (2 * cfg.q_size + 2 * cfg.kv_size)
+    assert v.mlp_scratch.numel() <= bufs.arena.numel()
 
 
 def test_breaks_read_the_live_batch_not_the_capture_batch(captured):

@@ -11,6 +11,7 @@ import torch
 from service.engine.batch import build_batch
 from service.engine.buckets import Buckets
 from service.engine.core import EngineCore
+from service.engine.dp import DPGroup
 from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
 from tests.engine.helpers import PAGE, chunk, engine_cfg, prompts, tiny_loaded, tiny_model
@@ -90,6 +91,30 @@ def test_padding_never_reaches_outputs_or_kv(setup):
         torch.testing.assert_close(logits[s:e], r, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dp", [None, DPGroup()], ids=["plain", "dp1"])
+def test_mlp_in_row_chunks_matches_eager(dp):
+    """2F (320) much wider than the break (96): the arena holds 16 MLP rows, so buckets 24, 40
+    and 64 run the MLP in 2, 3 and 4 chunks, written over their own input rows."""
+    from service.engine.runner import PrefillRunner
+
+    model = tiny_model(seed=5, intermediate_size=160)
+    runner = PrefillRunner(model, Buckets((8, 16, 24, 40, 64)), SegmentBackend(), dp=dp)
+    with torch.inference_mode():
+        runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
+    assert runner.bufs.mlp_rows == 16 and runner.bufs.arena.numel() == 64 * 96
+    pool = KVPool(model.cfg, 2048, PAGE, torch.float32, "cpu")
+    for n, lengths in ((8, [3, 4]), (16, [16]), (24, [9, 11]), (40, [17, 5, 12]), (64, [30, 34])):
+        chunks = [chunk(pool, ids) for ids in prompts(model.cfg.vocab_size, lengths, seed=n)]
+        batch = build_batch(chunks, pool.cache, "cpu", pad_to=n)
+        assert runner.bufs.views(n).mlp_scratch.shape[0] == min(n, 16)
+        with torch.inference_mode():
+            graph = runner.forward_graph(batch).clone()
+            eager = runner.forward_eager(batch)
+        torch.testing.assert_close(graph, eager, atol=ATOL, rtol=0)
+        for c in chunks:
+            pool.allocator.free(list(c.pages))
+
+
 def test_same_logits_whichever_bucket_pads_the_batch():
     model = tiny_model(seed=1)
     outs = []
@@ -165,5 +190,6 @@ def test_core_cpu_path_reports_and_forwards(caplog):
     chunks[1] = dataclasses.replace(chunks[1], all_logits=True)
     out = core.forward(chunks)
     assert out.mode == "eager" and [t.shape for t in out.logits] == [(1, 97), (9, 97)]
-    assert out.logits[0].device.type == "cpu" and core.forward_counts == {"graph": 0, "eager": 1}
+    assert out.logits[0].device == core.device and core.forward_counts == {"graph": 0, "eager": 1}
+    assert [s.greedy.id for s in out.last] == [int(x[-1].argmax()) for x in out.logits]
     core.close()

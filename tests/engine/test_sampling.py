@@ -1,32 +1,72 @@
-"""First-token sampling and logprobs (fp32 log_softmax of the raw logits)."""
+"""First-token sampling and logprobs (fp32 log_softmax of the raw logits): the batched last-row
+summary and the device-side prompt logprobs equal the per-row CPU computation they replace."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from service.engine.sampling import SamplingParams, choose, next_token, prompt_logprobs
+from service.engine.sampling import (
+    MAX_TOP_LOGPROBS,
+    PositionLogprobs,
+    SamplingParams,
+    TokenLogprob,
+    choose,
+    last_rows,
+    make_generator,
+    next_token,
+    prompt_logprobs,
+)
 
 
 def logits(seed: int = 0, v: int = 97) -> torch.Tensor:
     return torch.randn(v, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def first(x: torch.Tensor, params: SamplingParams) -> PositionLogprobs:
+    """The first token of one (V,) row, through the batched summary as the engine computes it."""
+    return next_token(x, last_rows(x[None])[0], params)
+
+
+def old_next_token(x: torch.Tensor, params: SamplingParams) -> PositionLogprobs:
+    """The per-row CPU computation the summary replaced."""
+    lp = torch.log_softmax(x.float(), -1)
+    tok = choose(x, params, None if params.greedy else make_generator(params.seed))
+    vals, ids = torch.topk(lp, params.top_logprobs)
+    return PositionLogprobs(TokenLogprob(tok, float(lp[tok])),
+                            [TokenLogprob(int(i), float(v)) for i, v in zip(ids, vals)])
+
+
+def old_prompt_logprobs(rows: torch.Tensor, targets: list[int], k: int) -> list[PositionLogprobs]:
+    lp = torch.log_softmax(rows.float(), -1)
+    vals, ids = torch.topk(lp, k, dim=-1)
+    return [PositionLogprobs(TokenLogprob(t, float(lp[i, t])),
+                             [TokenLogprob(int(a), float(b)) for a, b in zip(ids[i], vals[i])])
+            for i, t in enumerate(targets)]
+
+
+def assert_same(got: PositionLogprobs, want: PositionLogprobs, tol: float = 1e-5) -> None:
+    assert got.token.id == want.token.id
+    assert got.token.logprob == pytest.approx(want.token.logprob, abs=tol)
+    assert [t.id for t in got.top] == [t.id for t in want.top]
+    assert [t.logprob for t in got.top] == pytest.approx([t.logprob for t in want.top], abs=tol)
+
+
 def test_greedy_is_argmax_with_logprobs() -> None:
     x = logits()
-    out = next_token(x, SamplingParams(top_logprobs=5))
+    out = first(x, SamplingParams(top_logprobs=5))
     lp = torch.log_softmax(x, -1)
     assert out.token.id == int(x.argmax())
     assert out.token.logprob == pytest.approx(float(lp.max()), abs=1e-6)
     assert [t.id for t in out.top] == torch.topk(lp, 5).indices.tolist()
-    assert next_token(x, SamplingParams()).top == []
+    assert first(x, SamplingParams()).top == []
 
 
 def test_seed_reproducible_and_distribution() -> None:
     x = logits(1)
     p = SamplingParams(temperature=1.0, seed=123)
-    assert len({next_token(x, p).token.id for _ in range(5)}) == 1
-    draws = [next_token(x, SamplingParams(temperature=1.0, seed=s)).token.id for s in range(3000)]
+    assert len({first(x, p).token.id for _ in range(5)}) == 1
+    draws = [first(x, SamplingParams(temperature=1.0, seed=s)).token.id for s in range(3000)]
     freq = torch.bincount(torch.tensor(draws), minlength=x.numel()).float() / len(draws)
     assert torch.allclose(freq, torch.softmax(x, -1), atol=0.03)
 
@@ -47,7 +87,7 @@ def test_top_k_and_top_p_restrict_support() -> None:
 
 def test_reported_logprob_is_raw_distribution_when_sampling() -> None:
     x = logits(3)
-    out = next_token(x, SamplingParams(temperature=0.3, seed=9))
+    out = first(x, SamplingParams(temperature=0.3, seed=9))
     assert out.token.logprob == pytest.approx(float(torch.log_softmax(x, -1)[out.token.id]))
 
 
@@ -61,6 +101,51 @@ def test_prompt_logprobs_gather() -> None:
         assert p.token.logprob == pytest.approx(float(lp[i, targets[i]]), abs=1e-6)
         assert [t.id for t in p.top] == torch.topk(lp[i], 2).indices.tolist()
     assert prompt_logprobs(rows[:0], [], 3) == []
+
+
+@pytest.mark.parametrize("b,v", [(1, 97), (5, 1009), (33, 4099), (3, 7)])
+def test_last_rows_equal_per_row_cpu(b, v) -> None:
+    """Every k from 0 to 20 (at most the vocab), B rows reduced at once, awkward vocab sizes."""
+    rows = torch.randn(b, v, generator=torch.Generator().manual_seed(b * v)) * 4
+    summary = last_rows(rows)
+    assert len(summary) == b
+    for x, s in zip(rows, summary):
+        assert len(s.top) == min(MAX_TOP_LOGPROBS, v) and s.top[0].id == s.greedy.id
+        for k in range(min(MAX_TOP_LOGPROBS, v) + 1):
+            for p in (SamplingParams(top_logprobs=k), SamplingParams(0.8, top_k=1, top_logprobs=k)):
+                assert_same(next_token(x, s, p), old_next_token(x, p))
+    assert last_rows(rows[:0]) == []
+
+
+def test_greedy_reads_only_the_summary() -> None:
+    """Greedy never touches the logits row (a meta tensor has no data); sampling copies it."""
+    x = logits(4)
+    s = last_rows(x[None])[0]
+    row = torch.empty(x.shape, device="meta")
+    assert next_token(row, s, SamplingParams(top_logprobs=3)) == first(x, SamplingParams(
+        top_logprobs=3))
+    with pytest.raises(NotImplementedError):
+        next_token(row, s, SamplingParams(temperature=1.0, seed=1))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.6, top_k=5),
+                                    dict(temperature=1.3, top_p=0.7),
+                                    dict(temperature=0.9, top_k=40, top_p=0.9, top_logprobs=4)])
+def test_seeded_sampling_unchanged(params) -> None:
+    """A seed draws what `choose` draws on the CPU row; the logprob is the raw distribution's."""
+    for seed in range(20):
+        x = logits(100 + seed, v=1009)
+        p = SamplingParams(seed=seed, **params)
+        out = first(x, p)
+        assert out.token.id == choose(x, p, make_generator(seed))
+        assert_same(out, old_next_token(x, p))
+
+
+@pytest.mark.parametrize("n,v,k", [(1, 97, 0), (7, 1009, 3), (30, 4099, 20), (600, 97, 2)])
+def test_prompt_logprobs_unchanged(n, v, k) -> None:
+    rows = torch.randn(n, v, generator=torch.Generator().manual_seed(n)) * 3
+    targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(v)).tolist()
+    assert prompt_logprobs(rows, targets, k) == old_prompt_logprobs(rows, targets, k)
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1),

@@ -10,7 +10,7 @@ import torch
 
 from service.engine.core import ForwardOutput
 from service.engine.kv_pool import KVPoolExhausted, PageAllocator
-from service.engine.sampling import SamplingParams
+from service.engine.sampling import SamplingParams, last_rows
 from service.engine.scheduler import ForwardFailed, NotReady, QueueFull, Request, Scheduler
 
 V = 64
@@ -50,7 +50,7 @@ class FakeEngine:
             logits = torch.zeros(len(rows), V)
             logits[torch.arange(len(rows)), torch.tensor([(t + 1) % V for t in rows])] = 5.0
             out.append(logits)
-        return ForwardOutput(out, "eager", 0.001)
+        return ForwardOutput(out, last_rows(torch.cat([x[-1:] for x in out])), "eager", 0.001)
 
     def close(self) -> None:
         self.closed = True
