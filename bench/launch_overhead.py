@@ -107,6 +107,9 @@ def main() -> None:
         "break_plan": per_call_us(lambda: plan(1)),
         "empty_python_call": per_call_us(lambda: None),
     }
+    from kernels.launch import hooks_idle
+
+    rows["fast_path_on"] = float(hooks_idle())
     for name, us in rows.items():
         print(f"{name:18s} {us:7.2f} us/call")
     mem = [graph_memory(k) for k in (1, 4, 8, 16, 64)]

@@ -30,6 +30,13 @@ else:  # pragma: no cover - the JIT path raises its own clear error at launch
     knobs = driver = None
 
 
+def hooks_idle() -> bool:
+    """No launch hook installed. NOTE: Triton 3.6 keeps the hooks in an (empty) HookChain that
+    is never None; an empty chain means no hook, as None did before."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is None or not getattr(hook, "calls", True)
+
+
 class Relauncher:
     """`fn[grid](*args, **kwargs)` with the positional args at `swap` replaced per call."""
 
@@ -43,7 +50,7 @@ class Relauncher:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         assert len(tensors) == len(self.swap), f"{len(tensors)} tensors for {len(self.swap)} slots"
-        if self._fast is not None and knobs.runtime.launch_enter_hook is None:
+        if self._fast is not None and hooks_idle():
             launcher, function, packed, vals, aligned = self._fast
             for i, t in zip(self.swap, tensors):
                 assert t.dtype == aligned[i][0] and (t.data_ptr() % 16 == 0) == aligned[i][1], (

@@ -13,8 +13,9 @@ Lifetimes within one layer let three roles share the `arena`:
 The arena is sized for the break, rows·(qkv + attn) elements, not for the MLP: 2F is 2-3x
 wider than qkv + attn in every real model (SmolLM2-135M: 3072 vs 1536), so sizing for it
 doubled or tripled the arena. The MLP instead runs in row chunks of at most `mlp_rows` rows:
-all rows when they fit, else as many as fit rounded down to a multiple of 16, and at least 16
-(the arena grows to 16 rows of 2F when the break needs less). Chunk shapes are fixed per
+all rows when they fit, else as many as fit rounded down to a multiple of 16, and at least
+MLP_MIN_ROWS (the arena grows to that many rows of 2F when the break needs less: smaller
+chunks cost the large buckets measurable GEMM efficiency). Chunk shapes are fixed per
 bucket, so the loop is captured like any segment. The arena never exceeds the old
 max(rows·2F, rows·(qkv + attn)).
 
@@ -32,14 +33,21 @@ import torch
 from service.model.config import ModelConfig
 from service.model.llama import MLP_ROW_ALIGN
 
+# Fewest rows an MLP chunk may have. NOTE: chunks of ~1.6-2.9k rows cost Qwen2.5-0.5B and
+# Llama-3.1-8B 3-6 % of their 8,192-token forward on the H200 (smaller GEMMs, partial waves:
+# bench/results/e2e-h200-2026-11-29.md), so the arena grows to hold at least this many rows.
+MLP_MIN_ROWS = 4096
 
-def mlp_chunk_rows(arena_elems: int, mlp_width: int, max_tokens: int) -> int:
+
+def mlp_chunk_rows(arena_elems: int, mlp_width: int, max_tokens: int,
+                   min_rows: int = MLP_ROW_ALIGN) -> int:
     """Rows of MLP scratch (gate|up, `mlp_width` wide) the arena holds: all `max_tokens` when
-    they fit, else as many as fit rounded down to MLP_ROW_ALIGN, never fewer than that."""
+    they fit, else as many as fit rounded down to MLP_ROW_ALIGN, never fewer than `min_rows`."""
     fit = arena_elems // mlp_width
     if fit >= max_tokens:
         return max_tokens
-    return min(max_tokens, max(MLP_ROW_ALIGN, fit // MLP_ROW_ALIGN * MLP_ROW_ALIGN))
+    floor = max(MLP_ROW_ALIGN, min_rows)
+    return min(max_tokens, max(floor, fit // MLP_ROW_ALIGN * MLP_ROW_ALIGN))
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,7 @@ class StaticBuffers:
         qkv_w, attn_w = cfg.q_size + 2 * cfg.kv_size, cfg.q_size
         dp = world > 1
         brk = m * (qkv_w + attn_w)
-        mlp_rows = m if dp else mlp_chunk_rows(brk, mlp_width, m)
+        mlp_rows = m if dp else mlp_chunk_rows(brk, mlp_width, m, MLP_MIN_ROWS)
         arena = max(brk, world * mlp_rows * mlp_width)
 
         def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:

@@ -92,10 +92,13 @@ def test_padding_never_reaches_outputs_or_kv(setup):
 
 
 @pytest.mark.parametrize("dp", [None, DPGroup()], ids=["plain", "dp1"])
-def test_mlp_in_row_chunks_matches_eager(dp):
+def test_mlp_in_row_chunks_matches_eager(dp, monkeypatch):
     """2F (320) much wider than the break (96): the arena holds 16 MLP rows, so buckets 24, 40
     and 64 run the MLP in 2, 3 and 4 chunks, written over their own input rows."""
+    from service.engine import buffers
     from service.engine.runner import PrefillRunner
+
+    monkeypatch.setattr(buffers, "MLP_MIN_ROWS", 16)  # tiny model: chunks of 16 rows
 
     model = tiny_model(seed=5, intermediate_size=160)
     runner = PrefillRunner(model, Buckets((8, 16, 24, 40, 64)), SegmentBackend(), dp=dp)

@@ -130,12 +130,16 @@ def test_prepared_launches_relaunch_compiled_kernels_per_layer(close, attn_batch
     """A prepared break goes through Triton's JIT once per kernel, then relaunches the compiled
     kernels directly with each layer's caches: results equal the reference for every layer."""
     from kernels import extend_attention as ea
-    from kernels import kv_store
+    from kernels import kv_store, launch
 
-    layers = [attn_batch([100, 37, 1], [20, 0, 45], 16, 8, 2, 64, BF16, "cuda") for _ in range(3)]
-    b0 = layers[0]
+    b0 = attn_batch([100, 37, 1], [20, 0, 45], 16, 8, 2, 64, BF16, "cuda")
     q, k, v = b0.q, b0.k, b0.v
-    caches = [(b.k_cache, b.v_cache) for b in layers]
+
+    def layer_cache(c):  # same page layout (NaN outside the prefixes), new values
+        return torch.where(c.isnan(), c, torch.randn_like(c))
+    caches = [(b0.k_cache, b0.v_cache)] + [(layer_cache(b0.k_cache), layer_cache(b0.v_cache))
+                                           for _ in range(2)]
+    assert launch.hooks_idle(), "a Triton launch hook is installed: every launch takes the JIT"
     jit_calls = []
     for fn in (ea._extend_attention_kernel, kv_store._store_kv_kernel):
         monkeypatch.setattr(fn, "run", lambda *a, _run=fn.run, **kw: (jit_calls.append(1),
