@@ -161,3 +161,10 @@ def test_prepared_launches_relaunch_compiled_kernels_per_layer(close, attn_batch
         store(sk, sv)
         assert torch.equal(sk[slots], k) and torch.equal(sv[slots], v), f"store, layer {i}"
     assert len(jit_calls) == 2, f"{len(jit_calls)} JIT launches for 2 kernels x 3 layers"
+    # A later batch of other lengths specializes alike: it reuses the compiled kernel, no JIT.
+    b1 = attn_batch([50, 20], [20, 10], 16, 8, 2, 64, BF16, "cuda")
+    out1 = b1.poisoned_out()
+    attend1, _, _ = ea.prepare_extend_attention(*b1.args(), out=out1)
+    attend1(b1.k_cache, b1.v_cache)
+    close(out1.float(), extend_attention_ref(*b1.args(torch.float32)), BF16, "next batch")
+    assert len(jit_calls) == 2, "the next batch went through the JIT again"
