@@ -45,12 +45,21 @@ def per_call_us(fn, n: int = 2000) -> float:
     return host / n * 1e6
 
 
-def graph_memory(nodes: int, graphs: int = 100) -> dict:
-    """Free-memory drop per graph of `nodes` tiny kernels (pool growth reported apart)."""
+def graph_memory(nodes: int, graphs: int = 100, kind: str = "add") -> dict:
+    """Free-memory drop per graph of `nodes` kernels of one kind (pool growth reported apart):
+    add = a torch elementwise kernel, mm = a cuBLAS bf16 GEMM (64x576 @ 576x576), triton = our
+    RMSNorm kernel. Tells which node kinds make a segment graph expensive."""
+    from kernels import rms_norm
+
     x = torch.zeros(1024, device="cuda")
+    a = torch.randn(64, 576, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(576, 576, device="cuda", dtype=torch.bfloat16)
+    o, nw = torch.empty_like(a), torch.ones(576, device="cuda", dtype=torch.bfloat16)
+    op = {"add": lambda: x.add_(1), "mm": lambda: torch.mm(a, w, out=o),
+          "triton": lambda: rms_norm.rms_norm(a, nw, 1e-6, out=o)}[kind]
     pool, s, keep = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), []
     with torch.cuda.stream(s):
-        x.add_(1)
+        op()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     f0, r0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
@@ -59,7 +68,7 @@ def graph_memory(nodes: int, graphs: int = 100) -> dict:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=s):
                 for _ in range(nodes):
-                    x.add_(1)
+                    op()
             keep.append(g)
     torch.cuda.synchronize()
     f1, r1 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
@@ -68,7 +77,7 @@ def graph_memory(nodes: int, graphs: int = 100) -> dict:
     f2 = torch.cuda.mem_get_info()[0]
     for g in keep:
         g.reset()
-    return dict(nodes=nodes, kb_per_graph=(f0 - f1 - (r1 - r0)) / graphs / 1024,
+    return dict(kind=kind, nodes=nodes, kb_per_graph=(f0 - f1 - (r1 - r0)) / graphs / 1024,
                 pool_kb=(r1 - r0) / 1024, first_replay_kb=(f1 - f2) / 1024)
 
 
@@ -112,9 +121,11 @@ def main() -> None:
     rows["fast_path_on"] = float(hooks_idle())
     for name, us in rows.items():
         print(f"{name:18s} {us:7.2f} us/call")
-    mem = [graph_memory(k) for k in (1, 4, 8, 16, 64)]
+    mem = [graph_memory(k) for k in (1, 4, 8, 16, 64)] + [
+        graph_memory(8, 300, kind) for kind in ("add", "mm", "triton")]
     for m in mem:
-        print(f"graph of {m['nodes']:3d} kernels: {m['kb_per_graph']:7.1f} KB/graph beyond the "
+        print(f"graph of {m['nodes']:3d} {m['kind']:6s} kernels: {m['kb_per_graph']:7.1f} KB/graph "
+              "beyond the "
               f"pool (pool +{m['pool_kb']:.0f} KB, first replay +{m['first_replay_kb']:.0f} KB)")
     (out_dir() / "launch.json").write_text(json.dumps(
         {"meta": run_meta(), "us": rows, "graph_memory": mem}, indent=1))
