@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from service.engine.pages import DUMMY_SLOT, page_table_tensor, token_slots
+from service.engine.pages import DUMMY_SLOT, page_table_array, token_slots
 from service.model.meta import ForwardMeta, KVCache
 
 
@@ -69,17 +69,52 @@ def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
             logits_idx.append(end - 1)
         rows.append((first, len(logits_idx)))
 
-    def dev(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(x).to(device=device, dtype=dtype, non_blocking=True)
-
+    # One host buffer per dtype and one copy each, instead of seven small pageable copies
+    # (~10 us of host time apiece on the H200's host, before the first kernel can start).
+    # Segments start 16-byte aligned, as separate allocations would.
+    i64 = _Pack(np.int64, 2)
+    ids_at, pos_at, slots_at = i64.add(ids), i64.add(pos), i64.add(slots)
+    logits_at = i64.add(np.asarray(logits_idx, np.int64))
+    i32 = _Pack(np.int32, 4)
+    table = page_table_array([c.pages for c in chunks])
+    cu_at, prefix_at, table_at = i32.add(cu), i32.add(prefix), i32.add(table.reshape(-1))
+    d64, d32 = i64.to(device), i32.to(device)
     meta = ForwardMeta(
-        cu_seqlens_q=dev(cu, torch.int32),
-        prefix_lens=dev(prefix, torch.int32),
-        page_table=page_table_tensor([c.pages for c in chunks], device),
-        slot_mapping=dev(slots, torch.int64),
-        logits_indices=dev(np.asarray(logits_idx, np.int64), torch.int64),
+        cu_seqlens_q=d32[cu_at],
+        prefix_lens=d32[prefix_at],
+        page_table=d32[table_at].view(table.shape),
+        slot_mapping=d64[slots_at],
+        logits_indices=d64[logits_at],
         q_lens=tuple(counts.tolist()),
         prefix_lens_host=tuple(prefix.tolist()),
         kv=kv,
     )
-    return PrefillBatch(dev(ids, torch.int64), dev(pos, torch.int64), meta, tuple(rows))
+    return PrefillBatch(d64[ids_at], d64[pos_at], meta, tuple(rows))
+
+
+class _Pack:
+    """Arrays of one dtype laid end to end, each `align` elements aligned, then one transfer."""
+
+    TORCH = {np.int64: torch.int64, np.int32: torch.int32}
+
+    def __init__(self, dtype: type, align: int):
+        self.dtype, self.align = dtype, align
+        self.parts: list[tuple[int, np.ndarray]] = []
+        self.size = 0
+
+    def add(self, x: np.ndarray) -> slice:
+        start = -(-self.size // self.align) * self.align
+        self.parts.append((start, x))
+        self.size = start + x.size
+        return slice(start, self.size)
+
+    def to(self, device: torch.device | str) -> torch.Tensor:
+        device = torch.device(device)
+        host = torch.empty(max(self.size, 1), dtype=self.TORCH[self.dtype],
+                           pin_memory=device.type == "cuda")
+        buf = host.numpy()
+        for start, x in self.parts:
+            buf[start:start + x.size] = x
+        # NOTE: non_blocking from pinned memory is a true async copy; the caching host allocator
+        # keeps `host` from being reused until the copy has finished.
+        return host.to(device, non_blocking=True)

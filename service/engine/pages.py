@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import torch
 
 DUMMY_SLOT = 0
 
@@ -38,13 +37,12 @@ def token_slots(page_lists: list[tuple[int, ...]], prefix_lens: np.ndarray, coun
     return pos, page * page_size + pos % page_size
 
 
-def page_table_tensor(page_lists: list[tuple[int, ...]], device: torch.device | str
-                      ) -> torch.Tensor:
-    """(B, max_pages) int32 page table; rows padded with the dummy page."""
+def page_table_array(page_lists: list[tuple[int, ...]]) -> np.ndarray:
+    """(B, max_pages) int32 page table on the host; rows padded with the dummy page."""
     lengths = np.fromiter((len(p) for p in page_lists), np.int64, len(page_lists))
     table = np.zeros((len(page_lists), int(lengths.max(initial=0)) or 1), np.int32)
     flat = np.fromiter(itertools.chain.from_iterable(page_lists), np.int32, int(lengths.sum()))
     rows = np.repeat(np.arange(len(page_lists)), lengths)
     cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     table[rows, cols] = flat
-    return torch.from_numpy(table).to(device, non_blocking=True)
+    return table

@@ -43,8 +43,26 @@ def test_slots_follow_scattered_pages_and_padding_goes_to_the_dummy_slot() -> No
 
 
 def test_page_table_rows_padded_with_the_dummy_page() -> None:
-    from service.engine.pages import page_table_tensor
+    from service.engine.pages import page_table_array
 
-    t = page_table_tensor([(5, 9, 2), (), (7,)], "cpu")
+    t = torch.from_numpy(page_table_array([(5, 9, 2), (), (7,)]))
     assert t.dtype == torch.int32 and t.tolist() == [[5, 9, 2], [0, 0, 0], [7, 0, 0]]
-    assert page_table_tensor([], "cpu").shape == (0, 1)
+    assert page_table_array([]).shape == (0, 1)
+
+
+def test_batch_tensors_share_two_transfers_and_start_aligned() -> None:
+    """ids/positions/slots/logit rows travel in one int64 buffer, the rest in one int32 buffer;
+    each view starts 16-byte aligned (Triton specializes kernels on pointer alignment)."""
+    kv = KVCache([torch.zeros(64, 1, 4)], [torch.zeros(64, 1, 4)], 4)
+    chunks = [SeqChunk((1, 2, 3), 2, (1, 2)), SeqChunk((4,), 0, (3,), all_logits=True),
+              SeqChunk((5, 6, 7, 8, 9), 1, (4, 5))]
+    b = build_batch(chunks, kv, "cpu", pad_to=16)
+    m = b.meta
+    i64 = (b.input_ids, b.positions, m.slot_mapping, m.logits_indices)
+    i32 = (m.cu_seqlens_q, m.prefix_lens, m.page_table)
+    assert len({t.untyped_storage().data_ptr() for t in i64}) == 1
+    assert len({t.untyped_storage().data_ptr() for t in i32}) == 1
+    for t in i64 + i32:
+        assert t.data_ptr() % 16 == 0 and t.is_contiguous()
+    assert m.page_table.tolist() == [[1, 2], [3, 0], [4, 5]]
+    assert b.positions[:9].tolist() == [2, 3, 4, 0, 1, 2, 3, 4, 5]
