@@ -209,6 +209,12 @@ def test_dp_two_nccl_ranks_with_graphs_match_dp1(tmp_path):
             chunks = [chunk(pool, p) for p in _nccl_prompts(step, rank, plain.cfg.vocab_size)]
             want = plain.prefill(chunks, pool.cache)[0].cpu()
             assert logits.shape == want.shape
-            if want.numel():  # sharded MLP sums in another order: bf16 rounding only
-                assert relerr(logits, want) <= 2e-2, (rank, step, relerr(logits, want))
+            if want.numel():
+                # NOTE: sharded MLP sums round differently; on this shape two correct bf16
+                # forwards already differ by ~5e-3 (bench/dp_numerics.py), so 1e-3 cannot hold
+                # for any sharded sum. The next token must match exactly.
+                err = relerr(logits, want)
+                print(f"DP 2 vs DP 1, rank {rank} step {step}: logits relerr {err:.2e}")
+                assert err <= 2e-2, (rank, step, err)
+                assert torch.equal(logits.argmax(-1), want.argmax(-1)), (rank, step)
     plain.close()

@@ -140,6 +140,7 @@ def test_prepared_launches_relaunch_compiled_kernels_per_layer(close, attn_batch
     caches = [(b0.k_cache, b0.v_cache)] + [(layer_cache(b0.k_cache), layer_cache(b0.v_cache))
                                            for _ in range(2)]
     assert launch.hooks_idle(), "a Triton launch hook is installed: every launch takes the JIT"
+    monkeypatch.setattr(launch, "_COMPILED", {})  # forget what earlier tests compiled
     jit_calls = []
     for fn in (ea._extend_attention_kernel, kv_store._store_kv_kernel):
         monkeypatch.setattr(fn, "run", lambda *a, _run=fn.run, **kw: (jit_calls.append(1),
