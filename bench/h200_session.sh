@@ -29,7 +29,7 @@ step load1b "${T_LOAD:-70}" env OUT="$R/load-llama1b" python3 bench/load.py --sp
   --env MODEL_PRESET=llama-3.2-1b --env MODEL_PATH=.gpu_assets/smollm2 \
   --concurrency 1,4,16,64 --duration 4 --prompt-tokens 128 --ready-timeout 60
 step launch 40 env OUT="$R" python3 bench/launch_overhead.py
-step gpu_tests "${T_TESTS:-70}" python3 -m pytest -v -m gpu -p no:cacheprovider \
+step gpu_tests "${T_TESTS:-70}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
   tests/engine/test_graph_gpu.py tests/model/test_model_gpu.py
 step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"
 step kernel_tests "${T_KT:-50}" python3 -m pytest -v -m gpu -p no:cacheprovider \

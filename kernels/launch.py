@@ -51,7 +51,8 @@ class Relauncher:
         self.fn, self.grid, self.kwargs = fn, tuple(grid) + (1,) * (3 - len(grid)), kwargs
         self.args, self.swap = list(args), tuple(swap)
         self.wrap = wrap
-        self._fast: tuple | None = None  # (launcher, function, packed metadata, bound values)
+        # (launcher, function, packed metadata, bound values, {swap index: (dtype, aligned)})
+        self._fast: tuple | None = None
         self._can_fast = wrap is None and hasattr(fn, "device_caches")
 
     def __call__(self, *tensors: torch.Tensor) -> None:
