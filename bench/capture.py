@@ -3,7 +3,9 @@
 Random weights of SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B shapes, the default 58-bucket
 ladder to 8,192 tokens. Each (model, variant) runs in a fresh process, so that one run's
 lazily loaded kernels and driver-cached graph memory cannot flatter the next:
-  main      the service's configuration (retention gated, one shared pool) + latency
+  main      the service's configuration (retention gated, one shared pool, one middle-layer
+            graph shared by every layer for buckets <= 32 tokens) + latency
+  perlayer  main with one graph per layer in every bucket (CUDA_GRAPH_SHARED_MAX_TOKENS=0)
   warm      main, after an eager forward of every bucket: splits off first-use kernel loading
   ungated   every capture batch retained (upstream before SGLang PR #32678)
   separate  one graph pool per bucket
@@ -48,7 +50,9 @@ MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")
 LAT_TOKENS = (16, 64, 256, 1024, 4096, 8192)
 PAGE, FRACTION = 16, 0.85
 # Most informative first, so a tight --budget-s still yields the key comparisons.
-RUNS = [(m, "main") for m in MODELS] + [("smollm2-135m", "warm"), ("smollm2-135m", "dp1")] + [
+SHARED_MAX_TOKENS = 32  # the service's default (service/config.py)
+RUNS = [(m, "main") for m in MODELS] + [("smollm2-135m", "perlayer")] + [
+    ("smollm2-135m", "warm"), ("smollm2-135m", "dp1")] + [
     (m, v) for m in ("llama-3.2-1b", "smollm2-135m") for v in ("ungated", "separate")] + [
     ("qwen2.5-0.5b", "ungated"), ("qwen2.5-0.5b", "separate")] + [
     (m, "warm") for m in ("llama-3.2-1b", "qwen2.5-0.5b")]
@@ -134,7 +138,8 @@ def worker(spec: dict, group: DPGroup | None = None,
                else SegmentBackend())
     dp = group if group is not None else (DPGroup() if variant == "dp1" else None)
     runner = PrefillRunner(model, Buckets(default_ladder(spec["max_tokens"])), backend,
-                           dp=dp, stream=stream, retain_capture_batch=variant.endswith("ungated"))
+                           dp=dp, stream=stream, retain_capture_batch=variant.endswith("ungated"),
+                           shared_max_tokens=0 if variant == "perlayer" else SHARED_MAX_TOKENS)
     scratch = KVPool(cfg, PAGE, PAGE, dtype, dev)
     out: dict = dict(model=spec["model"], variant=variant, weights_bytes=weights,
                      buckets=len(runner.buckets), free_before=free_before)
@@ -192,7 +197,8 @@ def sanitize_smoke() -> None:
     cfg = preset("smollm2-135m", **TINY)
     model = random_model(cfg, "cuda", torch.bfloat16)
     stream = torch.cuda.Stream()
-    runner = PrefillRunner(model, Buckets((16, 64)), CudaGraphBackend(stream), stream=stream)
+    runner = PrefillRunner(model, Buckets((16, 64)), CudaGraphBackend(stream), stream=stream,
+                           shared_max_tokens=16)  # bucket 16: the layer-indexed segment
     runner.capture(KVPool(cfg, PAGE, PAGE, torch.bfloat16, "cuda").cache)
     pool = KVPool(cfg, 256, PAGE, torch.bfloat16, "cuda")
     ids = torch.randint(0, cfg.vocab_size, (70,)).tolist()
@@ -220,7 +226,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         if args.models and model not in args.models:
             continue
         spec = dict(model=model, variant=variant, device="cuda", max_tokens=args.max_tokens,
-                    latency=list(LAT_TOKENS) if variant == "main" else None)
+                    latency=(list(LAT_TOKENS) if variant == "main" else
+                             [16, 64, 256] if variant == "perlayer" else None))
         if time.perf_counter() - t_start > args.budget_s:
             results.append(dict(model=model, variant=variant, error="skipped: time budget"))
             continue

@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 TAG=${TAG:-}; R=$OUT/r$TAG; mkdir -p "$R"; ROOT=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
   > "$R/gpu.txt"
-STEPS=${STEPS:-load load1b launch gpu_tests dp kernel_tests capture sanitizer e2e}
+STEPS=${STEPS:-load load1b launch gemm gpu_tests dp kernel_tests capture sanitizer e2e}
 step() {
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -29,6 +29,8 @@ step load1b "${T_LOAD:-70}" env OUT="$R/load-llama1b" python3 bench/load.py --sp
   --env MODEL_PRESET=llama-3.2-1b --env MODEL_PATH=.gpu_assets/smollm2 \
   --concurrency 1,4,16,64 --duration 4 --prompt-tokens 128 --ready-timeout 60
 step launch 40 env OUT="$R" python3 bench/launch_overhead.py
+step graphmem "${T_GM:-120}" env OUT="$R" python3 bench/graph_memory.py
+step gemm "${T_GEMM:-200}" env OUT="$R" python3 bench/indexed_linear.py
 step gpu_tests "${T_TESTS:-70}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
   tests/engine/test_graph_gpu.py tests/model/test_model_gpu.py
 step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"

@@ -33,4 +33,25 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
     triton = tl = _Missing()
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+
+
+@triton.jit
+def dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """tl.dot(a, b, acc) for the kernels' matmuls (acc may be None).
+
+    NOTE: Triton 3.6's interpreter multiplies bf16 bit patterns as integers in tl.dot, so on
+    CPU the launchers set DOT_UPCAST: same bf16-rounded operands, multiplied in fp32."""
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+def dot_flags(dtype, device_type: str) -> dict:
+    """The DOT_PRECISION / DOT_UPCAST constexprs `dot` needs for this dtype and device."""
+    import torch
+
+    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                DOT_UPCAST=device_type == "cpu" and dtype == torch.bfloat16)
+
+
+__all__ = ["HAS_TRITON", "dot", "dot_flags", "triton", "tl"]

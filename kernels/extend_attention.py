@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import dot as _dot
+from kernels._triton import dot_flags
 from kernels._triton import tl, triton
 from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, pick_config
 from kernels.launch import Relauncher
@@ -56,15 +58,6 @@ def _load(ptrs, mask, USE_MASK: tl.constexpr):
     if USE_MASK:
         return tl.load(ptrs, mask=mask, other=0.0)
     return tl.load(ptrs)
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    # NOTE: Triton 3.6's interpreter multiplies bf16 bit patterns as integers in tl.dot, so on
-    # CPU the launcher sets DOT_UPCAST: same bf16-rounded operands, multiplied in fp32.
-    if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -375,8 +368,7 @@ def prepare_extend_attention(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         RETURN_LSE=lse is not None, USE_TMA=use_tma,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        DOT_UPCAST=q.device.type == "cpu" and dtype == torch.bfloat16,
+        **dot_flags(dtype, q.device.type),
         HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
         STORE_KV=store_slots is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from kernels import activation, kv_store, rope
+from kernels import activation, kv_store, linear, rope
 from kernels import extend_attention as attn
 from kernels import rms_norm as norm
 from kernels._triton import HAS_TRITON
@@ -45,13 +45,22 @@ def _traced() -> bool:
 
 
 @triton_op("prefill::rms_norm", mutates_args={"out"})
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-    norm.rms_norm(x, weight, eps, out, wrap=wrap_triton)
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out: Tensor,
+                 layer: Tensor | None = None, offset: int = 0) -> None:
+    norm.rms_norm(x, weight, eps, out, layer=layer, offset=offset, wrap=wrap_triton)
 
 
 @triton_op("prefill::fused_add_rms_norm", mutates_args={"x", "residual"})
-def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    norm.fused_add_rms_norm(x, residual, weight, eps, wrap=wrap_triton)
+def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                           layer: Tensor | None = None, offset: int = 0) -> None:
+    norm.fused_add_rms_norm(x, residual, weight, eps, layer=layer, offset=offset,
+                            wrap=wrap_triton)
+
+
+@triton_op("prefill::indexed_linear", mutates_args={"out"})
+def _indexed_linear_op(x: Tensor, w: Tensor, bias: Tensor | None, layer: Tensor, offset: int,
+                       out: Tensor) -> None:
+    linear.indexed_linear(x, w, bias, layer, offset, out, wrap=wrap_triton)
 
 
 @triton_op("prefill::apply_rope", mutates_args={"q", "k"})
@@ -113,6 +122,7 @@ def _no_output(*args, **kwargs) -> None:
 for _op in (
     _rms_norm_op,
     _fused_add_rms_norm_op,
+    _indexed_linear_op,
     _apply_rope_op,
     _silu_and_mul_op,
     _store_kv_op,
@@ -125,29 +135,49 @@ for _op in (
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None, use_triton: bool | None = None
+    x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None, use_triton: bool | None = None,
+    layer: Tensor | None = None, offset: int = 0
 ) -> Tensor:
-    """rms_norm(x) * weight in x's dtype; x (T, N)."""
+    """rms_norm(x) * weight in x's dtype; x (T, N). With `layer` (int32 (1,) on the device):
+    weight is an (L, N) stack of every layer's, and row layer[0] + offset is used."""
     if not _resolve(x, use_triton):
-        return norm.rms_norm_ref(x, weight, eps, out)
+        return norm.rms_norm_ref(x, weight, eps, out, layer, offset)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if _traced():
-        torch.ops.prefill.rms_norm(x, weight, eps, out)
+        torch.ops.prefill.rms_norm(x, weight, eps, out, layer, offset)
         return out
-    return norm.rms_norm(x, weight, eps, out)
+    return norm.rms_norm(x, weight, eps, out, layer=layer, offset=offset)
 
 
 def fused_add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, use_triton: bool | None = None
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, use_triton: bool | None = None,
+    layer: Tensor | None = None, offset: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """In place: residual <- x + residual; x <- rms_norm(residual) * weight; returns both."""
+    """In place: residual <- x + residual; x <- rms_norm(residual) * weight; returns both.
+    `layer`/`offset` as in `rms_norm`."""
     if not _resolve(x, use_triton):
-        return norm.fused_add_rms_norm_ref(x, residual, weight, eps)
+        return norm.fused_add_rms_norm_ref(x, residual, weight, eps, layer, offset)
     if _traced():
-        torch.ops.prefill.fused_add_rms_norm(x, residual, weight, eps)
+        torch.ops.prefill.fused_add_rms_norm(x, residual, weight, eps, layer, offset)
         return x, residual
-    return norm.fused_add_rms_norm(x, residual, weight, eps)
+    return norm.fused_add_rms_norm(x, residual, weight, eps, layer=layer, offset=offset)
+
+
+def indexed_linear(
+    x: Tensor, w: Tensor, bias: Tensor | None, layer: Tensor, offset: int = 0,
+    out: Tensor | None = None, use_triton: bool | None = None
+) -> Tensor:
+    """x (M, K) @ w[layer[0] + offset]^T (+ bias[...]): w an (L, N, K) stack, layer int32 (1,)
+    on the device, so one captured launch serves every layer (kernels/linear.py)."""
+    if not _resolve(x, use_triton):
+        return linear.indexed_linear_ref(x, w, bias, layer, offset, out)
+    if out is None:
+        out = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
+    if _traced():
+        torch.ops.prefill.indexed_linear(x, w, bias, layer, offset, out)
+        return out
+    return linear.indexed_linear(x, w, bias, layer, offset, out)
 
 
 def apply_rope(

@@ -24,12 +24,15 @@ def _rms_norm_kernel(
     r_ptr,
     w_ptr,
     out_ptr,
+    layer_ptr,
     n_cols,
     eps,
     stride_xt,
     stride_rt,
     stride_ot,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_LAYER: tl.constexpr,
+    LAYER_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -45,15 +48,19 @@ def _rms_norm_kernel(
         x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     y = (x * rstd).to(dtype).to(tl.float32)
+    if HAS_LAYER:  # weight (L, N): the row of layer[0] + LAYER_OFFSET
+        w_ptr += (tl.load(layer_ptr) + LAYER_OFFSET).to(tl.int64) * n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_ot + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out, wrap):
+def _launch(x, residual, weight, eps, out, wrap, layer=None, offset=0):
     assert x.dim() == 2 and x.stride(1) == 1, "x must be (T, N) with a contiguous last dim"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {x.dtype}"
     T, N = x.shape
-    assert weight.shape == (N,) and weight.is_contiguous(), f"weight shape {tuple(weight.shape)}"
+    w_shape = (N,) if layer is None else (weight.shape[0], N)
+    assert weight.shape == w_shape and weight.is_contiguous(), f"weight shape {tuple(weight.shape)}"
+    assert layer is None or (layer.dtype == torch.int32 and layer.numel() == 1), "layer: int32 (1,)"
     assert out.shape == (T, N) and out.stride(1) == 1 and out.dtype == x.dtype, "bad out"
     if residual is not None:
         assert residual.shape == (T, N) and residual.dtype == x.dtype and residual.stride(1) == 1
@@ -67,39 +74,54 @@ def _launch(x, residual, weight, eps, out, wrap):
         residual if residual is not None else x,
         weight,
         out,
+        layer if layer is not None else weight,
         N,
         eps,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         HAS_RESIDUAL=residual is not None,
+        HAS_LAYER=layer is not None,
+        LAYER_OFFSET=offset,
         BLOCK_N=block,
         num_warps=min(max(block // 256, 1), 16),
     )
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *, wrap=None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *,
+    layer: torch.Tensor | None = None, offset: int = 0, wrap=None
 ) -> torch.Tensor:
-    """y = rms_norm(x) * weight, in x's dtype. x: (T, N)."""
+    """y = rms_norm(x) * weight, in x's dtype. x: (T, N). With `layer` (int32 (1,) on the
+    device), weight is an (L, N) stack and row layer[0] + offset is used."""
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, None, weight, eps, out, wrap)
+    _launch(x, None, weight, eps, out, wrap, layer, offset)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, wrap=None
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    layer: torch.Tensor | None = None, offset: int = 0, wrap=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual <- x + residual; x <- rms_norm(residual) * weight; returns both."""
-    _launch(x, residual, weight, eps, x, wrap)
+    _launch(x, residual, weight, eps, x, wrap, layer, offset)
     return x, residual
 
 
+def layer_row(weight: torch.Tensor, layer: torch.Tensor | None, offset: int) -> torch.Tensor:
+    """weight, or row layer[0] + offset of an (L, N) stack (picked on the device, no sync)."""
+    if layer is None:
+        return weight
+    return weight.index_select(0, layer.long() + offset)[0]
+
+
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    layer: torch.Tensor | None = None, offset: int = 0
 ) -> torch.Tensor:
     """Hugging Face LlamaRMSNorm, with the product cast to x's dtype."""
+    weight = layer_row(weight, layer, offset)
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = (weight * y).to(x.dtype)
@@ -110,9 +132,10 @@ def rms_norm_ref(
 
 
 def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    layer: torch.Tensor | None = None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, like `fused_add_rms_norm`."""
     residual.add_(x)
-    x.copy_(rms_norm_ref(residual, weight, eps))
+    x.copy_(rms_norm_ref(residual, weight, eps, layer=layer, offset=offset))
     return x, residual

@@ -34,6 +34,10 @@ class Settings(BaseSettings):
         "Largest CUDA-graph bucket (tokens); 0 disables graphs."))
     cuda_graph_buckets: str | None = Field(None, description=(
         "Comma-separated bucket ladder overriding the default (SGLang-like) ladder."))
+    cuda_graph_shared_max_tokens: int = Field(32, ge=0, le=1 << 20, description=(
+        "Buckets up to this many tokens capture one middle-layer graph that every layer "
+        "replays (weights picked on the device): ~130 KB of driver memory per graph saved "
+        "per layer and bucket. 0: one graph per layer everywhere."))
     page_size: int = Field(16, ge=1, le=256)
     max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted.")
     max_queue_requests: int = Field(256, ge=1, description="Prompts waiting before 429.")
@@ -111,6 +115,7 @@ class EngineConfig:
     dp_size: int
     model_preset: str | None = None  # random weights of this preset shape (benchmarks)
     prefix_cache: bool = True
+    cuda_graph_shared_max_tokens: int = 32
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -168,6 +173,7 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         max_batch_prompts=settings.max_batch_prompts,
         kv_cache_bytes=settings.kv_cache_bytes, dp_size=settings.dp_size,
         model_preset=settings.model_preset, prefix_cache=settings.prefix_cache,
+        cuda_graph_shared_max_tokens=settings.cuda_graph_shared_max_tokens,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,

@@ -101,7 +101,8 @@ class EngineCore:
                                 cfg.max_prefill_tokens) if cuda else ()
         backend = CudaGraphBackend(self.stream) if sizes else None
         self.runner = PrefillRunner(self.model, Buckets(sizes), backend, dp=dp_group,
-                                    stream=self.stream)
+                                    stream=self.stream,
+                                    shared_max_tokens=cfg.cuda_graph_shared_max_tokens)
         self.forward_counts = self.runner.forward_counts
         weights = weights_nbytes(self.model)
         if reader is not None:

@@ -1,7 +1,10 @@
 """Breakable CUDA graphs: dense segments captured per shape, eager breaks replayed between them.
 
 `run_once(rec)` describes one forward as `rec.dense(fn)` (captured) and `rec.brk(fn)` (run
-eagerly at replay: attention + KV store, whose launch grid depends on the live batch). A break
+eagerly at replay: attention + KV store, whose launch grid depends on the live batch).
+`rec.dense(fn, share="key")` marks steps that are the same graph: the first is captured, the
+later ones of that shape replay it again (the layer-indexed middle segments, whose weights are
+picked by a device counter: service.model.stacked). A break
 function must read the live batch through a handle the caller sets before `replay` — never from
 a closure over the capture batch, or that batch stays alive for as long as the graphs do.
 
@@ -34,7 +37,7 @@ class _Direct:
     """Recorder for the warm-up pass: everything runs eagerly."""
 
     @staticmethod
-    def dense(fn: Callable[[], None]) -> None:
+    def dense(fn: Callable[[], None], share: Hashable | None = None) -> None:
         fn()
 
     @staticmethod
@@ -47,9 +50,16 @@ class _Capturing:
 
     def __init__(self, backend: SegmentBackend, shape_key: Hashable, steps: list[Step]):
         self.backend, self.shape_key, self.steps = backend, shape_key, steps
+        self.shared: dict[Hashable, Step] = {}
 
-    def dense(self, fn: Callable[[], None]) -> None:
-        self.steps.append(self.backend._capture_dense(fn, self.shape_key))
+    def dense(self, fn: Callable[[], None], share: Hashable | None = None) -> None:
+        if share is not None and share in self.shared:
+            self.steps.append(self.shared[share])  # the same graph, replayed again
+            return
+        step = self.backend._capture_dense(fn, self.shape_key)
+        if share is not None:
+            self.shared[share] = step
+        self.steps.append(step)
 
     def brk(self, fn: Callable[[], None]) -> None:
         fn()  # NOTE: runs between captures (not inside one), as at replay
@@ -130,10 +140,12 @@ class SegmentBackend:
 
     @property
     def num_graphs(self) -> int:
-        return sum(kind == "graph" for steps in self._steps.values() for kind, _ in steps)
+        """Distinct captured graphs (a shared step counts once)."""
+        return len({id(g) for steps in self._steps.values() for kind, g in steps
+                    if kind == "graph"})
 
     def num_steps(self, shape_key: Hashable) -> tuple[int, int]:
-        """(dense segments, breaks) of one shape."""
+        """(dense steps, breaks) of one shape; a shared step counts at every replay."""
         breaks = sum(kind == "break" for kind, _ in self._steps[shape_key])
         return len(self._steps[shape_key]) - breaks, breaks
 
@@ -180,9 +192,9 @@ class CudaGraphBackend(SegmentBackend):
 
     def _release(self) -> None:
         self.stream.synchronize()
-        for steps in self._steps.values():
-            for kind, g in steps:
-                if kind == "graph":
-                    g.reset()
+        graphs = {id(g): g for steps in self._steps.values() for kind, g in steps
+                  if kind == "graph"}
+        for g in graphs.values():
+            g.reset()
         self._pool = None
         self._pools.clear()

@@ -26,6 +26,7 @@ from service.engine.graph import SegmentBackend, _Direct
 from service.model.attention import BreakPlan
 from service.model.llama import LlamaModel
 from service.model.meta import KVCache
+from service.model.stacked import IndexedLayer, stack_layers
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,17 @@ class PrefillRunner:
     `dp`: run as one rank of a data-parallel group (the model's MLPs get sharded). The non-DP
     path (dp None) carries no DP work at all. `retain_capture_batch` (benchmarks only) keeps
     every capture batch alive, as upstream did before its retention gate.
+
+    `shared_max_tokens`: buckets of at most this many tokens capture ONE middle segment graph
+    that every layer replays, its weights picked by a device-side layer counter
+    (service.model.stacked; the model's layer weights get stacked at capture). Each graph
+    holds ~130 KB of driver memory, so this turns buckets x (L + 1) graphs into buckets x 3 for
+    those buckets. 0: off. Not with data parallelism (its MLPs are sharded per rank).
     """
 
     def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend | None,
                  dp: DPGroup | None = None, stream: torch.cuda.Stream | None = None,
-                 retain_capture_batch: bool = False):
+                 retain_capture_batch: bool = False, shared_max_tokens: int = 0):
         self.model, self.cfg = model, model.cfg
         w = next(model.parameters())
         self.device, self.dtype = w.device, w.dtype
@@ -71,6 +78,13 @@ class PrefillRunner:
             shard_mlp(model, dp)
         self.stream = stream
         self.retain_capture_batch = retain_capture_batch
+        self.shared_max_tokens = shared_max_tokens if dp is None else 0
+        self._shared: tuple[IndexedLayer, IndexedLayer] | None = None
+        self._layer = torch.zeros(1, dtype=torch.int32, device=self.device)  # the counter
+        if self.shared_max_tokens > 0 and backend is not None and len(model.layers) > 1:
+            # NOTE: here, not at capture: it moves every layer weight once (freeing the old
+            # storage), which must not count as capture memory
+            stack_layers(model)
         self.bufs: StaticBuffers | None = None
         self._live: BreakPlan | None = None  # the handle the breaks read at replay
         self.forward_counts = {"graph": 0, "eager": 0}
@@ -166,8 +180,12 @@ class PrefillRunner:
         """The forward of one bucket as dense steps and breaks. NOTE: closes over static views
         and DP capture-only tensors only; the breaks read the live batch from `self._live`."""
         m, layers = self.model, self.model.layers
+        shared = self._shared if v.n <= self.shared_max_tokens else None
+        counter = self._layer
 
         def first() -> None:
+            if shared is not None:
+                counter.zero_()
             m.embed(v.input_ids, out=v.residual)
             layers[0].input_layernorm(v.residual, out=v.hidden)
             layers[0].qkv_rope(v.hidden, v.positions, m.cos_sin, out=v.qkv)
@@ -181,6 +199,11 @@ class PrefillRunner:
                     m.norm(v.hidden, v.residual)  # in place: hidden <- norm(hidden + residual)
             return run
 
+        def middle() -> None:  # post(c) + pre(c + 1) for the layer c = counter, then c += 1
+            shared[0].post(v.attn, v.residual, h_out=v.hidden, scratch=v.mlp_scratch)
+            shared[1].pre(v.hidden, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
+            counter.add_(1)
+
         def brk(i: int) -> Callable[[], None]:
             def run() -> None:
                 if self._live is not None:  # None: no live rows (an idle DP rank)
@@ -191,7 +214,10 @@ class PrefillRunner:
             rec.dense(first)
             for i in range(len(layers)):
                 rec.brk(brk(i))
-                rec.dense(segment(i))
+                if shared is not None and i + 1 < len(layers):
+                    rec.dense(middle, share="middle")
+                else:
+                    rec.dense(segment(i))
         return run_once
 
     def _plan(self, batch: PrefillBatch, v: BucketViews) -> BreakPlan | None:
@@ -224,6 +250,10 @@ class PrefillRunner:
         if self.backend is None or not len(self.buckets):
             return
         with self.on_stream(), gc_paused():
+            if self.shared_max_tokens > 0 and self._shared is None and len(self.model.layers) > 1:
+                stack = stack_layers(self.model)  # stacked in __init__: returns that stack
+                self._shared = (IndexedLayer(self.model, stack, self._layer, 0),
+                                IndexedLayer(self.model, stack, self._layer, 1))
             if self.bufs is None:
                 world = self.dp.world if self.dp is not None else 1
                 self.bufs = StaticBuffers.allocate(self.cfg, self.buckets.largest, self.dtype,

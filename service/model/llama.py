@@ -38,7 +38,10 @@ class RMSNorm(nn.Module):
 
 
 def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`lin(x)`, optionally into `out`: the same mm/addmm F.linear runs, without an allocation."""
+    """`lin(x)`, optionally into `out`: the same mm/addmm F.linear runs, without an allocation.
+    `lin` may also be a layer-indexed stand-in (service.model.stacked.IndexedLinear)."""
+    if not isinstance(lin, nn.Linear):
+        return lin(x, out)
     if out is None:
         return lin(x)
     if lin.bias is None:

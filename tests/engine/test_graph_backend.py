@@ -126,3 +126,64 @@ def test_capture_batches_respect_the_rope_table_and_use_only_the_dummy_page():
     with torch.inference_mode():
         runner.capture(kv)
     assert runner.captured == (16, 64)
+
+
+def test_shared_dense_steps_are_captured_once_and_replayed_at_each_use():
+    events: list[str] = []
+    backend = SegmentBackend()
+
+    def run_once(rec):
+        rec.dense(lambda: events.append("first"))
+        for i in range(3):
+            rec.brk(lambda i=i: events.append(f"b{i}"))
+            rec.dense(lambda: events.append("mid"), share="mid")
+
+    backend.capture_one("k", run_once)
+    events.clear()
+    backend.replay("k")
+    assert events == ["first", "b0", "mid", "b1", "mid", "b2", "mid"]
+    assert backend.num_steps("k") == (4, 3)
+    # SegmentBackend's "graphs" are functions; the distinct-graph count is the CUDA backend's
+    steps = backend._steps["k"]
+    assert steps[2][1] is steps[4][1] is steps[6][1], "one step object serves every layer"
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_layer_shared_segments_give_the_per_layer_output(layers):
+    """Buckets <= shared_max_tokens replay ONE middle segment per layer, its weights picked by
+    the device counter; the logits equal the per-layer segments' and the eager forward's."""
+    pool = KVPool(tiny_model(num_layers=layers).cfg, 256, PAGE, torch.float32, "cpu")
+    ps = prompts(97, [5, 9], seed=4)
+    chunks = [chunk(pool, p) for p in ps]
+    out = {}
+    for name, shared in (("per-layer", 0), ("shared", 16)):
+        model = tiny_model(seed=2, num_layers=layers)
+        runner = PrefillRunner(model, Buckets((16, 32)), SegmentBackend(),
+                               shared_max_tokens=shared)
+        with torch.inference_mode():
+            runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
+            logits, batch, mode = runner.prefill(chunks, pool.cache)
+            eager = runner.forward_eager(batch)
+        assert mode == "graph" and batch.padded_tokens == 16
+        torch.testing.assert_close(logits, eager, atol=1e-5, rtol=0)
+        steps = runner.backend._steps[16]
+        mids = {id(fn) for kind, fn in steps[2:-1:2]}
+        assert len(mids) == (1 if shared else layers - 1)
+        assert len({id(fn) for kind, fn in runner.backend._steps[32][2:-1:2]}) == layers - 1
+        assert int(runner._layer) == (layers - 1 if shared else 0)
+        out[name] = logits
+    torch.testing.assert_close(out["shared"], out["per-layer"], atol=1e-5, rtol=0)
+
+
+def test_stacking_keeps_the_parameters_and_frees_their_old_storage():
+    from service.model.stacked import stack_layers
+
+    model = tiny_model(seed=5, num_layers=3)
+    before = [p.detach().clone() for p in model.layers.parameters()]
+    st = stack_layers(model)
+    assert stack_layers(model) is st
+    for p, b in zip(model.layers.parameters(), before):
+        assert torch.equal(p, b)
+    for i, lay in enumerate(model.layers):
+        assert lay.mlp.down_proj.weight.data_ptr() == st.down[i].data_ptr()
+        assert lay.input_layernorm.weight.data_ptr() == st.input_norm[i].data_ptr()

@@ -28,6 +28,7 @@ from tests.engine.helpers import chunk, engine_cfg, free_port, prompts
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PAGE = 16
+SHARED = 32  # CUDA_GRAPH_SHARED_MAX_TOKENS' default: buckets of both segment kinds
 BF16 = torch.bfloat16
 
 
@@ -40,7 +41,8 @@ def build(cfg_name: str = "smollm2-135m", buckets=None, dp=None, seed: int = 0, 
     model = random_model(cfg, "cuda", BF16, seed=seed)
     stream = torch.cuda.Stream()
     runner = PrefillRunner(model, Buckets(tuple(buckets or default_ladder(8192))),
-                           CudaGraphBackend(stream), dp=dp, stream=stream)
+                           CudaGraphBackend(stream), dp=dp, stream=stream,
+                           shared_max_tokens=SHARED)
     with torch.inference_mode():
         runner.capture(KVPool(cfg, PAGE, PAGE, BF16, "cuda").cache)
     return runner, KVPool(cfg, 64 * 1024, PAGE, BF16, "cuda")
@@ -85,7 +87,8 @@ def test_replay_matches_eager_for_every_bucket(smol):
     rng = random.Random(0)
     sizes = runner.buckets.sizes
     assert runner.captured == sizes and len(sizes) == 58
-    assert runner.backend.num_graphs == 58 * (runner.cfg.num_layers + 1)
+    layers = runner.cfg.num_layers  # one middle graph serves every layer in the small buckets
+    assert runner.backend.num_graphs == sum(3 if n <= SHARED else layers + 1 for n in sizes)
     first = None
     for prev, n in zip((0, *sizes), sizes):  # smallest first: the largest is captured first
         total = rng.randint(max(prev + 1, (n + 1) // 2), n)

@@ -23,13 +23,15 @@ pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # the interpreter's
 
 
-@pytest.mark.parametrize("dp", [None, DPGroup()], ids=["plain", "dp1"])
-def test_triton_kernels_through_static_views_match_reference(dp):
-    cfg = tiny_cfg(arch="qwen2", qkv_bias=True)
+@pytest.mark.parametrize("dp,shared", [(None, 0), (DPGroup(), 0), (None, 8)],
+                         ids=["plain", "dp1", "layer-shared"])
+def test_triton_kernels_through_static_views_match_reference(dp, shared):
+    cfg = tiny_cfg(arch="qwen2", qkv_bias=True, num_layers=3)
     tri = random_model(cfg, "cpu", torch.float32, attn_backend="triton", seed=1)
     tri.set_kernels(True)
     ref = random_model(cfg, "cpu", torch.float32, attn_backend="torch", seed=1)
-    runner = PrefillRunner(tri, Buckets((8, 16)), SegmentBackend(), dp=dp)
+    runner = PrefillRunner(tri, Buckets((8, 16)), SegmentBackend(), dp=dp,
+                           shared_max_tokens=shared)
     runner.capture(KVPool(cfg, 4, 4, torch.float32, "cpu").cache)
     pool, ref_pool = (KVPool(cfg, 256, 4, torch.float32, "cpu") for _ in range(2))
     ps = prompts(cfg.vocab_size, [9, 5], seed=3)
