@@ -36,12 +36,13 @@ def memory_table(results: list[dict]) -> str:
 
 
 def latency_table(results: list[dict]) -> str:
-    header = ["model", "variant", "tokens", "eager ms", "breakable ms", "full graph ms", "breakable/full",
-              "eager/breakable", "relerr vs eager"]
+    header = ["model", "variant", "tokens", "eager ms", "breakable ms", "full graph ms",
+              "breakable/full", "eager/breakable", "relerr vs eager"]
     rows = []
     for r in results:
         for lat in r.get("latency") or []:
-            rows.append([r["model"], r["variant"], lat["tokens"], lat["eager_ms"], lat["breakable_ms"],
+            rows.append([r["model"], r["variant"], lat["tokens"], lat["eager_ms"],
+                         lat["breakable_ms"],
                          lat["full_graph_ms"], lat["breakable_ms"] / lat["full_graph_ms"],
                          lat["eager_ms"] / lat["breakable_ms"], lat["relerr_vs_eager"]])
     return markdown_table(header, rows)

@@ -8,7 +8,13 @@ eager run of each step launches (torch profiler), so per-graph and per-node cost
 told apart. Second part: whether `torch._grouped_mm` can select one layer's weight from a
 stacked (L, N, K) tensor by a device-side index (zero-row groups), at what speed vs torch.mm.
 
-Usage: python3 bench/graph_memory.py [--graphs 300]   (CUDA only; ~1 minute on an H200)
+NOTE: only the first step measured in a process is a clean figure. The driver keeps the memory
+of destroyed graphs and hands it to later graphs, so after the first step's graphs are freed the
+next steps read ~0 (seen on the H200: 130 KB/graph for the first step, ~0 for all later ones).
+Measure one step per process: `--steps segment`, then `--steps gemms`, and so on.
+
+Usage: python3 bench/graph_memory.py [--graphs 300] [--steps segment,gemms] [--tokens 16]
+       (CUDA only; ~1 minute on an H200 for every step)
 Writes graph_memory.json to $OUT (default bench/results) and prints a summary.
 """
 
@@ -133,11 +139,11 @@ def grouped_mm_probe(model, sizes=(16, 128, 512, 2048, 8192)) -> list[dict]:
             ar = torch.arange(L, device="cuda", dtype=torch.int32)
             y = torch.empty(M, N, device="cuda", dtype=w.dtype)
 
-            def gm():
+            def gm(x=x, w=w, ar=ar, c=c, M=M):
                 offs = (ar >= c).to(torch.int32) * M
                 return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
-            def mm():
+            def mm(x=x, w=w, L=L, y=y):
                 return torch.mm(x, w[L // 2].t(), out=y)
 
             row = dict(weight=name, M=M, N=N, K=K)
@@ -157,7 +163,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--graphs", type=int, default=300)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--steps", default="segment,gemms,tritons,one_triton,one_mm,one_add,"
+                    "eight_adds", help="in this order; only the first is a clean figure")
+    ap.add_argument("--tokens", default="16,1024,8192")
+    ap.add_argument("--no-grouped-mm", action="store_true")
     args = ap.parse_args()
+    wanted = args.steps.split(",")
     torch.zeros(1, device="cuda")
     cfg = preset(args.model)
     model = random_model(cfg, torch.device("cuda"), torch.bfloat16)
@@ -167,18 +178,18 @@ def main() -> None:
                                   mlp_width(model))
     rows = []
     with torch.inference_mode():
-        for n in (16, 1024, 8192):
-            for name, fn in segment_steps(model, bufs, n, 3).items():
-                if n != 16 and name not in ("segment", "gemms"):
-                    continue
+        for n in (int(t) for t in args.tokens.split(",")):
+            steps = segment_steps(model, bufs, n, 3)
+            for name in wanted:
+                fn = steps[name]
                 with torch.cuda.stream(stream):
                     nodes = kernels_launched(fn)
                 r = dict(step=name, tokens=n, kernels=nodes, **per_graph(fn, args.graphs, stream))
                 print(f"{name:11s} n={n:5d} kernels={nodes:3d} {r['kb_per_graph']:8.1f} KB/graph"
-                      f" (pool +{r['pool_kb']:.0f} KB, first replay +{r['first_replay_kb']:.0f} KB)",
-                      flush=True)
+                      f" (pool +{r['pool_kb']:.0f} KB, first replay "
+                      f"+{r['first_replay_kb']:.0f} KB)", flush=True)
                 rows.append(r)
-        gm = grouped_mm_probe(model)
+        gm = [] if args.no_grouped_mm else grouped_mm_probe(model)
     path = out_dir() / "graph_memory.json"
     path.write_text(json.dumps({"meta": run_meta(), "graphs": args.graphs, "steps": rows,
                                 "grouped_mm": gm}, indent=1))

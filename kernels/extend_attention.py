@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import dot as _dot
-from kernels._triton import dot_flags
-from kernels._triton import tl, triton
+from kernels._triton import dot_flags, tl, triton
 from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, pick_config
 from kernels.launch import Relauncher
 

@@ -115,8 +115,8 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x, w, bias if bias is not None else w, out, layer, M, N, K, x.stride(0), w.stride(0),
         bias.stride(0) if bias is not None else 0, out.stride(0), LAYER_OFFSET=offset,
-        HAS_BIAS=bias is not None, **dot_flags(x.dtype, x.device.type), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=stages)
+        HAS_BIAS=bias is not None, **dot_flags(x.dtype, x.device.type), BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
 
 

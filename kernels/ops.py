@@ -135,8 +135,8 @@ for _op in (
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None, use_triton: bool | None = None,
-    layer: Tensor | None = None, offset: int = 0
+    x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
+    use_triton: bool | None = None, layer: Tensor | None = None, offset: int = 0
 ) -> Tensor:
     """rms_norm(x) * weight in x's dtype; x (T, N). With `layer` (int32 (1,) on the device):
     weight is an (L, N) stack of every layer's, and row layer[0] + offset is used."""
