@@ -8,8 +8,9 @@ is tiny, so the loop is host-bound), on the SmolLM2 shape at 16 tokens:
   prepared_store    kv_store.prepare_store_kv's bound launch (what a break calls)
   prepared_attend   extend_attention.prepare_extend_attention's bound launch
   break_plan        AttentionBackend.plan(...)(layer): one whole break
-Also the device memory one captured graph holds beyond its allocator pool, by node count (100
-graphs of k kernels each, one shared pool; the free-memory drop minus the pool's growth).
+(The device memory a captured graph holds is bench/graph_memory.py's: this script's earlier
+per-node-count probe measured several graph sets in one process, and the driver reuses the
+memory of destroyed graphs, so only its first figure meant anything.)
 Usage: python bench/launch_overhead.py   (CUDA)  -> prints a table and writes launch.json to $OUT
 """
 
@@ -43,42 +44,6 @@ def per_call_us(fn, n: int = 2000) -> float:
     host = time.perf_counter() - t0
     torch.cuda.synchronize()
     return host / n * 1e6
-
-
-def graph_memory(nodes: int, graphs: int = 100, kind: str = "add") -> dict:
-    """Free-memory drop per graph of `nodes` kernels of one kind (pool growth reported apart):
-    add = a torch elementwise kernel, mm = a cuBLAS bf16 GEMM (64x576 @ 576x576), triton = our
-    RMSNorm kernel. Tells which node kinds make a segment graph expensive."""
-    from kernels import rms_norm
-
-    x = torch.zeros(1024, device="cuda")
-    a = torch.randn(64, 576, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(576, 576, device="cuda", dtype=torch.bfloat16)
-    o, nw = torch.empty_like(a), torch.ones(576, device="cuda", dtype=torch.bfloat16)
-    op = {"add": lambda: x.add_(1), "mm": lambda: torch.mm(a, w, out=o),
-          "triton": lambda: rms_norm.rms_norm(a, nw, 1e-6, out=o)}[kind]
-    pool, s, keep = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), []
-    with torch.cuda.stream(s):
-        op()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    f0, r0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
-    with torch.cuda.stream(s):
-        for _ in range(graphs):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=s):
-                for _ in range(nodes):
-                    op()
-            keep.append(g)
-    torch.cuda.synchronize()
-    f1, r1 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
-    keep[0].replay()
-    torch.cuda.synchronize()
-    f2 = torch.cuda.mem_get_info()[0]
-    for g in keep:
-        g.reset()
-    return dict(kind=kind, nodes=nodes, kb_per_graph=(f0 - f1 - (r1 - r0)) / graphs / 1024,
-                pool_kb=(r1 - r0) / 1024, first_replay_kb=(f1 - f2) / 1024)
 
 
 def main() -> None:
@@ -121,15 +86,8 @@ def main() -> None:
     for name, us in rows.items():
         print(f"{name:18s} {us:7.2f} us/call")
     print(f"relauncher fast path on (no Triton launch hook): {hooks_idle()}")
-    mem = [graph_memory(k) for k in (1, 4, 8, 16, 64)] + [
-        graph_memory(8, 300, kind) for kind in ("add", "mm", "triton")]
-    for m in mem:
-        print(f"graph of {m['nodes']:3d} {m['kind']:6s} kernels: {m['kb_per_graph']:7.1f} KB/graph "
-              "beyond the "
-              f"pool (pool +{m['pool_kb']:.0f} KB, first replay +{m['first_replay_kb']:.0f} KB)")
     (out_dir() / "launch.json").write_text(json.dumps(
-        {"meta": run_meta(), "us": rows, "fast_path_on": hooks_idle(), "graph_memory": mem},
-        indent=1))
+        {"meta": run_meta(), "us": rows, "fast_path_on": hooks_idle()}, indent=1))
 
 
 if __name__ == "__main__":
