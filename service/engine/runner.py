@@ -60,7 +60,9 @@ class PrefillRunner:
 
     `shared_max_tokens`: buckets of at most this many tokens capture ONE middle segment graph
     that every layer replays, its weights picked by a device-side layer counter
-    (service.model.stacked; the model's layer weights get stacked at capture). Each graph
+    (service.model.stacked; the model's layer weights get stacked when the runner is built,
+    so eager forwards read the same storage). A separate one-kernel counter bump ends that
+    segment (one more node per layer; it could ride on the segment's last kernel). Each graph
     holds ~130 KB of driver memory, so this turns buckets x (L + 1) graphs into buckets x 3 for
     those buckets. 0: off. Not with data parallelism (its MLPs are sharded per rank).
     """

@@ -38,8 +38,8 @@ class LayerStack:
 
 
 def _stack(params: list[nn.Parameter]) -> torch.Tensor:
-    """One contiguous stack of `params`, each re-pointed at its row (the old storage is freed
-    as each is moved, so the peak is one extra layer's worth, not a second model)."""
+    """One contiguous stack of `params`, each re-pointed at its row (each old storage is freed
+    as it is moved: the peak is one extra copy of one kind of weight, not a second model)."""
     stack = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype,
                         device=params[0].device)
     for i, p in enumerate(params):
