@@ -74,8 +74,8 @@ def pick_tiles(M: int, N: int, K: int, sms: int = 132) -> tuple[int, int, int, i
     (16..64), then the widest column tile that still gives every SM a program (down to 32),
     K in steps of 128, 3 stages. From bench/indexed_linear.py on the H200: at 16 and 64 rows this
     rule is within 5 % of the best of 13 tile sets in 28 of 32 (model, linear, rows) cases; the
-    misses are Llama-3.1-8B's qkv and down (best up to 1.33x faster), outside the default
-    shared buckets' typical use (bench/results/indexed-linear-h200-2026-11-29.md)."""
+    misses are Llama-3.1-8B's qkv and down, where another tile set is up to 1.33x faster
+    (bench/results/indexed-linear-h200-2026-11-29.md)."""
     bm = min(64, max(16, triton.next_power_of_2(M)))
     m_tiles = triton.cdiv(M, bm)
     bn = 32
