@@ -116,6 +116,7 @@ class Paged:
             max(self.qlens),
             out=self.out,
             config=config,
+            max_prefix_len=max(self.plens),  # as the service passes it
         )
 
 
@@ -342,7 +343,8 @@ def _extend_sdpa(backend, q4, k_all, v_all):
 
 
 def launch_overhead(cuda, device, dtype) -> dict:
-    """Host microseconds per call on a tiny batch: the launcher, and through the custom op."""
+    """Host microseconds per call on a tiny batch: the launcher (repeating its inputs, and with
+    another q each call), and through the custom op."""
     if not cuda:
         return {}
     import time
@@ -361,8 +363,12 @@ def launch_overhead(cuda, device, dtype) -> dict:
         64,
     )
     result = {}
+    other_q = [batch.q.clone(), batch.q]
+    flip = lambda: other_q.append(other_q.pop(0)) or other_q[0]  # noqa: E731
     for name, fn in (
         ("launcher", lambda: extend_attention(*args, out=batch.out)),
+        # a q other than last call's each time: the full check-and-bind path, no reuse
+        ("launcher, new q", lambda: extend_attention(flip(), *args[1:], out=batch.out)),
         ("ops.extend_attention", lambda: ops.extend_attention(*args, out=batch.out)),
         (
             "torch.ops.prefill",

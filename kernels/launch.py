@@ -22,6 +22,7 @@ other ways (tensor descriptors) make the key None: the JIT decides.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,8 +56,23 @@ class Relauncher:
         self._fast: tuple | None = None
         self._can_fast = wrap is None and hasattr(fn, "device_caches")
 
+    def detach(self) -> bool:
+        """Forget the bound tensors outside the swapped slots, keeping only their raw pointers,
+        so that holding this launcher keeps no caller memory alive. From then on only the fast
+        path can launch: callers must check `hooks_idle()` first. False (nothing changed) where
+        there is no fast path (interpreter, `wrap`, a launch hook at the first call)."""
+        if self._fast is None:
+            return False
+        launcher, function, packed, vals, aligned = self._fast
+        vals = [v.data_ptr() if isinstance(v, torch.Tensor) and i not in self.swap else v
+                for i, v in enumerate(vals)]
+        self._fast, self.args = (launcher, function, packed, vals, aligned), None
+        return True
+
     def __call__(self, *tensors: torch.Tensor) -> None:
         assert len(tensors) == len(self.swap), f"{len(tensors)} tensors for {len(self.swap)} slots"
+        if self.args is None and not hooks_idle():
+            raise RuntimeError("a detached launcher cannot launch while a launch hook is set")
         if self._fast is not None and hooks_idle():
             launcher, function, packed, vals, aligned = self._fast
             for i, t in zip(self.swap, tensors):
@@ -93,6 +109,40 @@ class Relauncher:
         Triton's JIT hands the launcher): positional args fill the first parameters."""
         rest = self.fn.params[len(args):]
         return args + [self.kwargs.get(p.name, p.default) for p in rest]
+
+
+class LastLaunch:
+    """The last prepared launch of a one-call entry point, reused while the caller repeats it.
+
+    A one-call entry point checks, binds and specializes its arguments on every call; repeated
+    with the same tensors (a benchmark loop, an eager layer loop over the same buffers) all of
+    that is the same work again. `lookup` hands the stored launch back when the call's key
+    (shapes, strides, scalars: everything the binding depends on) is unchanged and every listed
+    tensor is the very object bound last time, at the same address. It holds weak references
+    and raw pointers only (see `Relauncher.detach`), so it keeps no caller memory alive.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._refs: tuple = ()
+        self._ptrs: tuple[int, ...] = ()
+        self._value: Any = None
+
+    def lookup(self, key: tuple, tensors: Sequence[torch.Tensor]) -> Any:
+        if key != self._key or not hooks_idle():
+            return None
+        for ref, ptr, t in zip(self._refs, self._ptrs, tensors):
+            if ref() is not t or t.data_ptr() != ptr:
+                return None
+        return self._value
+
+    def store(self, key: tuple, tensors: Sequence[torch.Tensor], value: Any) -> None:
+        self._key, self._value = key, value
+        self._refs = tuple(weakref.ref(t) for t in tensors)
+        self._ptrs = tuple(t.data_ptr() for t in tensors)
+
+    def clear(self) -> None:
+        self.__init__()
 
 
 # (fn, device, specialization key) -> (launcher, function, packed metadata)

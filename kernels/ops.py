@@ -95,6 +95,7 @@ def _extend_attention_op(
     sm_scale: float,
     out: Tensor,
     lse: Tensor | None,
+    max_prefix_len: int = -1,
 ) -> None:
     attn.extend_attention(
         q,
@@ -111,6 +112,7 @@ def _extend_attention_op(
         out=out,
         lse=lse,
         wrap=wrap_triton,
+        max_prefix_len=None if max_prefix_len < 0 else max_prefix_len,
     )
 
 
@@ -241,20 +243,25 @@ def extend_attention(
     return_lse: bool = False,
     out: Tensor | None = None,
     use_triton: bool | None = None,
+    max_prefix_len: int | None = None,
 ):
     """Prefix + causal attention over a varlen batch; see kernels/extend_attention.py.
 
     Returns o (T, H, D), or (o, lse) when return_lse. Rows past cu_seqlens_q[-1] are not written.
+    `max_prefix_len` (host-side, optional): the longest cached prefix; 0 lets prefix-free
+    batches run the kernel compiled without the prefix loop.
     """
     args = (q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len)
     if not _resolve(q, use_triton):
         return attn.extend_attention_ref(*args, sm_scale, return_lse, out)
     if not _traced():
-        return attn.extend_attention(*args, sm_scale, return_lse, out)
+        return attn.extend_attention(*args, sm_scale, return_lse, out,
+                                     max_prefix_len=max_prefix_len)
     T, H, D = q.shape
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if return_lse else None
     scale = sm_scale if sm_scale is not None else D**-0.5
-    torch.ops.prefill.extend_attention(*args, scale, out, lse)
+    torch.ops.prefill.extend_attention(*args, scale, out, lse,
+                                       -1 if max_prefix_len is None else max_prefix_len)
     return (out, lse) if return_lse else out

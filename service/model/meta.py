@@ -54,5 +54,9 @@ class ForwardMeta:
         return max(self.q_lens, default=0)
 
     @property
+    def max_prefix_len(self) -> int:
+        return max(self.prefix_lens_host, default=0)
+
+    @property
     def page_size(self) -> int:
         return self.kv.page_size

@@ -34,10 +34,12 @@ def _config(device):
     return INTERPRETER_CONFIG if device == "cpu" else None
 
 
-def _run_and_check(batch, dtype, device, close, config=None, return_lse=False):
+def _run_and_check(batch, dtype, device, close, config=None, return_lse=False,
+                   max_prefix_len=None):
     out = batch.poisoned_out()
     res = extend_attention(
-        *batch.args(), return_lse=return_lse, out=out, config=config or _config(device)
+        *batch.args(), return_lse=return_lse, out=out, config=config or _config(device),
+        max_prefix_len=max_prefix_len,
     )
     ref = extend_attention_ref(*batch.args(torch.float32), return_lse=return_lse)
     o, r = (res[0], ref[0]) if return_lse else (res, ref)
@@ -55,6 +57,9 @@ def test_single_sequence(case, device, close, attn_batch):
     q_len, prefix, page_size, H, KVH, D, dtype = case
     batch = attn_batch([q_len], [prefix], page_size, H, KVH, D, dtype, device)
     _run_and_check(batch, dtype, device, close)
+    # the same batch told its longest prefix: prefix-free batches take the kernel compiled
+    # without the prefix loop, the others keep it
+    _run_and_check(batch, dtype, device, close, max_prefix_len=prefix)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])

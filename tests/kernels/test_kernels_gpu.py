@@ -169,3 +169,31 @@ def test_prepared_launches_relaunch_compiled_kernels_per_layer(close, attn_batch
     attend1(b1.k_cache, b1.v_cache)
     close(out1.float(), extend_attention_ref(*b1.args(torch.float32)), BF16, "next batch")
     assert len(jit_calls) == 2, "the next batch went through the JIT again"
+
+
+def test_repeated_one_call_reuses_its_launch_and_keeps_nothing_alive(close, attn_batch):
+    """extend_attention called again with the same q/k/v/metadata reuses the bound launch (new
+    caches and outputs swapped in); other tensors rebind; the memo pins no caller memory."""
+    import gc
+    import weakref
+
+    from kernels import extend_attention as ea
+
+    b = attn_batch([300, 64], [0, 0], 16, 8, 2, 128, BF16, "cuda")
+    ref = extend_attention_ref(*b.args(torch.float32))
+    first = extend_attention(*b.args(), max_prefix_len=0)
+    bound = ea._LAST._value
+    assert bound is not None and bound.args is None, "one-call launches are kept, detached"
+    for _ in range(2):  # fresh outputs, and a caller-given one
+        o = extend_attention(*b.args(), max_prefix_len=0)
+        assert ea._LAST._value is bound and o.data_ptr() != first.data_ptr()
+        close(o[: b.n_valid].float(), ref[: b.n_valid], BF16, "repeat")
+    o, lse = extend_attention(*b.args(), max_prefix_len=0, return_lse=True)  # another key
+    assert ea._LAST._value is not bound
+    close(o[: b.n_valid].float(), ref[: b.n_valid], BF16, "with lse")
+    q2 = b.q.clone()  # equal values, another tensor: rebinds
+    extend_attention(q2, *b.args()[1:], max_prefix_len=0)
+    kept = weakref.ref(q2)
+    del q2
+    gc.collect()
+    assert kept() is None, "the memo kept the caller's q alive"
