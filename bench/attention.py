@@ -1,4 +1,9 @@
-"""Extend attention (ours, Triton) against PyTorch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION, bf16.
+"""Extend attention (ours) against PyTorch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION, bf16.
+
+"ours-table" is what the service runs: on a Hopper GPU the warp-specialized Gluon kernel
+(kernels/extend_attention_sm90.py) for prefix-free head_dim-128 batches of >= 4096 rows, the
+plain Triton kernel (kernels/extend_attention.py, table config) otherwise; "ours-sm90" and
+"ours-triton" force one of them.
 
 Cases: causal single sequences (S = 512 .. 16k, head_dim 64/128, 32q/8kv and 16q/2kv heads); a
 varlen batch of 64 prompts (lengths uniform in 100..4000, seed 0) that SDPA runs padded (is_causal
@@ -6,8 +11,8 @@ is exact on right-padded rows, so no mask is needed; the pad/unpad copies are ti
 per-sequence loop; an extend case (1k new tokens on an 8k cached prefix, page size 16 and 1) that
 SDPA runs on contiguous K/V with a lower-right causal mask (the page gather it would need first is
 timed separately). SDPA gets GQA through enable_gqa=True where the backend takes it, otherwise
-K/V repeated per query head outside the timing (each row says which). A few configs of our kernel
-run side by side so the config table in kernels/extend_attention.py can be picked from one run.
+K/V repeated per query head outside the timing (each row says which). A few configs of our kernels
+run side by side so the config tables can be picked from one run.
 
 Usage: python bench/attention.py             # one GPU, < 6 minutes on an H200
        python bench/attention.py --dry-run   # tiniest cases on the CPU via Triton's interpreter
@@ -49,28 +54,35 @@ from kernels.extend_attention import (  # noqa: E402
     extend_attention,
     pick_config,
 )
+from kernels.extend_attention_sm90 import (  # noqa: E402
+    SM90_CONFIG,
+    Sm90Config,
+    extend_attention_sm90,
+)
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-A = AttnConfig
-# Config variants of our kernel, timed side by side with the table's choice ("table"); TMA
-# variants use TMA at every size (tma_min_tokens=0), the table only from 4096 rows; page-id
-# prefetch is on unless the name says "nopf".
+A, G = AttnConfig, Sm90Config
+TRITON = "triton"  # the plain Triton kernel with its table config, wherever "table" would not
+# Variants of our kernels, timed side by side with what the service runs ("table": the Hopper
+# kernel of kernels/extend_attention_sm90.py for prefix-free head_dim-128 batches of >= 4096
+# rows, the plain Triton kernel with its table config otherwise). Sm90Config variants run the
+# Hopper kernel at any size; AttnConfig variants the plain kernel (TMA at every size).
 VARIANTS = {
-    "m128n64w8s3": A(128, 64, 8, 3),
-    "m128n64w8s3-hf": A(128, 64, 8, 3, heads_first=True),
-    "m128n64w8s3-hf-nopf": A(128, 64, 8, 3, heads_first=True, prefetch_pages=False),
-    "m128n64w8s3-tma": A(128, 64, 8, 3, use_tma=True, tma_min_tokens=0),
-    "m128n64w8s3-tma-nopf": A(128, 64, 8, 3, True, tma_min_tokens=0, prefetch_pages=False),
-    "m128n64w8s3-tma-hf": A(128, 64, 8, 3, use_tma=True, heads_first=True, tma_min_tokens=0),
+    "triton": TRITON,
+    "sm90-no-overlap": G(128, 2, overlap=False),
+    "sm90-qblocks-first": G(128, 3, overlap=True, heads_first=False),
+    "sm90-n64s4": G(64, 4, overlap=True),
     "m128n128w8s2-tma": A(128, 128, 8, 2, use_tma=True, tma_min_tokens=0),
-    "m64n64w4s3-hf": A(64, 64, 4, 3, heads_first=True),
 }
 
 
-def variants(dry: bool) -> dict[str, AttnConfig | None]:
+def variants(dry: bool, head_dim: int = 128) -> dict:
     if dry:
         return {"table": INTERPRETER_CONFIG, "interp-m32-hf": A(32, 16, 4, 1, heads_first=True)}
-    return {"table": None, **VARIANTS}
+    names = dict(VARIANTS)
+    if head_dim != 128:  # the Hopper kernel serves head_dim 128 only (slower at 64)
+        names = {k: v for k, v in names.items() if not isinstance(v, Sm90Config)}
+    return {"table": None, **names}
 
 
 class Paged:
@@ -103,6 +115,12 @@ class Paged:
         )
 
     def run(self, config=None):
+        if isinstance(config, Sm90Config):
+            return extend_attention_sm90(self.q, self.k, self.v, self.cu, max(self.qlens),
+                                         out=self.out, config=config,
+                                         num_tokens=sum(self.qlens))
+        if config == TRITON:
+            config = pick_config(self.q.shape[2], self.q.dtype, self.q.device)
         return extend_attention(
             self.q,
             self.k,
@@ -116,7 +134,8 @@ class Paged:
             max(self.qlens),
             out=self.out,
             config=config,
-            max_prefix_len=max(self.plens),  # as the service passes it
+            max_prefix_len=max(self.plens),  # host-side facts, as the service passes them
+            num_tokens=sum(self.qlens),
         )
 
 
@@ -199,8 +218,13 @@ def causal_cases(args, cuda, device, dtype, rows):
                     rows.append(dict(info, kernel=f"sdpa-{name}", ms=ms, tflops=tflops(flops, ms),
                                      ms_graph=ms_graph, tflops_graph=tflops(flops, ms_graph),
                                      how=how))  # fmt: skip
-                names = variants(args.dry_run) if (H, KVH) == heads[0] and S in sweep else {}
-                names = names or {"table": None if cuda else INTERPRETER_CONFIG}
+                if (H, KVH) == heads[0] and S in sweep:
+                    names = variants(args.dry_run, D)
+                elif not cuda:
+                    names = {"table": INTERPRETER_CONFIG}
+                else:  # the service's pick, and at D=128 the Hopper kernel at every S
+                    names = {"table": None, **({"sm90": SM90_CONFIG} if D == 128 else {}),
+                             **({"triton": TRITON} if D == 128 and S >= 4096 else {})}
                 for vname, cfg in names.items():
                     rows.append(ours_row(batch, cfg, vname, flops, ref, cuda, info, graph=graph))
 
@@ -293,7 +317,8 @@ def extend_cases(args, cuda, device, dtype, rows):
     new, prefix = (16, 48) if args.dry_run else (1024, 8192)
     H, KVH, D = (4, 2, 64) if args.dry_run else (32, 8, 128)
     flops = 4 * D * H * (new * prefix + new * new / 2)
-    names = variants(args.dry_run)
+    # a cached prefix: the Hopper kernel does not apply
+    names = {k: v for k, v in variants(args.dry_run).items() if not isinstance(v, Sm90Config)}
     for i, page_size in enumerate((16, 1) if args.dry_run else (16, 1, 64)):
         batch = Paged([new], [prefix], H, KVH, D, page_size, device, dtype, seed=page_size)
         info = dict(

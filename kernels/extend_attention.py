@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels import extend_attention_sm90 as sm90
+from kernels import kv_store
 from kernels._triton import dot as _dot
 from kernels._triton import dot_flags, tl, triton
 from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, pick_config
@@ -273,6 +275,7 @@ def extend_attention(
     config: AttnConfig | None = None,
     wrap=None,
     max_prefix_len: int | None = None,
+    num_tokens: int | None = None,
 ):
     """Causal attention of each sequence's new tokens to its cached prefix and to themselves
     (see `prepare_extend_attention` for the contract). Returns o, or (o, lse) with return_lse.
@@ -281,6 +284,12 @@ def extend_attention(
     differ) reuses its bound launch (`_LAST`): ~120 us of host time per call on the H200's host
     otherwise, more than the kernel takes below ~1k tokens (bench/attention.py, "eager" rows).
     """
+    if _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config, wrap):
+        launch, out = sm90.prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale, out,
+                                        num_tokens=num_tokens)
+        if launch is not None:
+            launch()
+        return out
     tensors = (q, k, v, cu_seqlens_q, prefix_lens, page_table)
     key = None
     if wrap is None and lse is None and q.is_cuda:
@@ -330,6 +339,7 @@ def prepare_extend_attention(
     wrap=None,
     store_slots: torch.Tensor | None = None,
     max_prefix_len: int | None = None,
+    num_tokens: int | None = None,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None] | None, torch.Tensor,
            torch.Tensor | None]:
     """Causal attention of each sequence's new tokens to its cached prefix and to themselves.
@@ -338,12 +348,30 @@ def prepare_extend_attention(
     `wrap` (e.g. torch.library.wrap_triton) is applied to the kernel before launch.
     `store_slots` (T,): also write k and v into the caches at these slots (the KV store fused
     into the same launch: one launch per layer in a graph break instead of two).
-    `max_prefix_len` (host-side, optional): the longest cached prefix; 0 selects the kernel
-    compiled without the prefix loop (and the prefix-free config). None: assume prefixes.
+    Host-side facts a caller may know (they pick faster code; None assumes the general case):
+    `max_prefix_len` the longest cached prefix (0: the kernel compiled without the prefix loop),
+    `num_tokens` = cu_seqlens_q[-1]. Both known and 0 prefix, on a Hopper GPU with head_dim 128
+    and >= SM90_MIN_TOKENS_PREPARED rows (SM90_MIN_TOKENS for one-call extend_attention): the
+    warp-specialized kernel of extend_attention_sm90.py, which reads k/v through TMA bounded at
+    num_tokens rows (padding rows are never read either way).
     Returns (launch, o, lse): everything is checked and bound once; `launch(k_cache, v_cache)`
     runs the kernel on one layer's cache (None when there is nothing to compute). o is (T, H, D);
     lse (T, H) fp32 natural-log, or None unless return_lse / `lse` was given.
     """
+    if _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config, wrap,
+                 SM90_MIN_TOKENS_PREPARED):
+        attend, out = sm90.prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale, out,
+                                        num_tokens=num_tokens)
+        store = (kv_store.prepare_store_kv(k, v, k_cache, v_cache, store_slots)
+                 if store_slots is not None else None)
+        if attend is None:
+            return None, out, None
+
+        def launch_sm90(kc: torch.Tensor, vc: torch.Tensor) -> None:
+            if store is not None:  # a separate launch: this kernel never touches the caches
+                store(kc, vc)
+            attend()
+        return launch_sm90, out, None
     kernel, out, lse, _ = _bind(
         q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
         sm_scale, out, lse=lse, return_lse=return_lse, config=config, wrap=wrap,
@@ -359,6 +387,29 @@ def prepare_extend_attention(
         kernel(kc, vc)
 
     return launch, out, lse
+
+
+# Below these row counts the plain kernel serves prefix-free batches too. The Hopper kernel binds
+# three TMA descriptors per call: ~90 us of host time on the H200's host for a one-call launch,
+# more than the GPU needs below ~4k rows (bench/results/attention-s4-*, "eager" rows). A graph
+# break binds once per batch and relaunches in ~27 us per layer, plus a separate KV-store launch.
+SM90_MIN_TOKENS = 4096  # one call (extend_attention)
+SM90_MIN_TOKENS_PREPARED = 1024  # prepared once, launched per layer (prepare_extend_attention)
+
+
+def _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config, wrap,
+              min_tokens: int = SM90_MIN_TOKENS) -> bool:
+    """The Hopper kernel (kernels/extend_attention_sm90.py) takes a batch when it is known to
+    be prefix-free with its live row count, large enough, head_dim 128 (at 64 the plain kernel
+    measured faster), needs no lse, no explicit config and no tracing wrapper, and TMA can read
+    its tensors."""
+    if max_prefix_len != 0 or num_tokens is None or lse is not None or return_lse:
+        return False
+    if config is not None or wrap is not None or q.shape[2] != 128:
+        return False
+    if num_tokens < min_tokens or num_tokens > q.shape[0]:
+        return False
+    return sm90.supported(q, k, v, *(() if out is None else (out,)))
 
 
 def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,

@@ -55,6 +55,8 @@ class Relauncher:
         # (launcher, function, packed metadata, bound values, {swap index: (dtype, aligned)})
         self._fast: tuple | None = None
         self._can_fast = wrap is None and hasattr(fn, "device_caches")
+        # the launch device: the first tensor argument's (swap may be empty)
+        self.device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
 
     def detach(self) -> bool:
         """Forget the bound tensors outside the swapped slots, keeping only their raw pointers,
@@ -79,13 +81,13 @@ class Relauncher:
                 assert t.dtype == aligned[i][0] and (t.data_ptr() % 16 == 0) == aligned[i][1], (
                     "swapped tensor differs in dtype or alignment from the compiled one")
                 vals[i] = t
-            stream = driver.active.get_current_stream(tensors[0].device.index)
+            stream = driver.active.get_current_stream(self.device.index)
             launcher(*self.grid, stream, function, packed, None, None, None, *vals)
             return
         args = list(self.args)
         for i, t in zip(self.swap, tensors):
             args[i] = t
-        key = _spec_key(self.fn, tensors[0].device, args, self.kwargs) if self._can_fast else None
+        key = _spec_key(self.fn, self.device, args, self.kwargs) if self._can_fast else None
         known = _COMPILED.get(key) if key is not None and hooks_idle() else None
         if known is None:
             fn = self.wrap(self.fn) if self.wrap is not None else self.fn
@@ -97,7 +99,7 @@ class Relauncher:
                 _COMPILED[key] = known
         else:  # compiled for an earlier batch that specializes alike: no JIT at all
             launcher, function, packed = known
-            stream = driver.active.get_current_stream(tensors[0].device.index)
+            stream = driver.active.get_current_stream(self.device.index)
             launcher(*self.grid, stream, function, packed, None, None, None,
                      *self._values(args))
         if self._fast is None:

@@ -244,19 +244,21 @@ def extend_attention(
     out: Tensor | None = None,
     use_triton: bool | None = None,
     max_prefix_len: int | None = None,
+    num_tokens: int | None = None,
 ):
     """Prefix + causal attention over a varlen batch; see kernels/extend_attention.py.
 
     Returns o (T, H, D), or (o, lse) when return_lse. Rows past cu_seqlens_q[-1] are not written.
-    `max_prefix_len` (host-side, optional): the longest cached prefix; 0 lets prefix-free
-    batches run the kernel compiled without the prefix loop.
+    `max_prefix_len`, `num_tokens` (host-side, optional): the longest cached prefix and
+    cu_seqlens_q[-1]; they let prefix-free batches take faster kernels (see
+    kernels/extend_attention.prepare_extend_attention).
     """
     args = (q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len)
     if not _resolve(q, use_triton):
         return attn.extend_attention_ref(*args, sm_scale, return_lse, out)
     if not _traced():
         return attn.extend_attention(*args, sm_scale, return_lse, out,
-                                     max_prefix_len=max_prefix_len)
+                                     max_prefix_len=max_prefix_len, num_tokens=num_tokens)
     T, H, D = q.shape
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)

@@ -56,7 +56,7 @@ class AttentionBackend:
         ops.extend_attention(q, k, v, kv.k[layer], kv.v[layer], meta.cu_seqlens_q,
                              meta.prefix_lens, meta.page_table, kv.page_size, meta.max_q_len,
                              sm_scale=self.scale, out=out, use_triton=self.use_triton,
-                             max_prefix_len=meta.max_prefix_len)
+                             max_prefix_len=meta.max_prefix_len, num_tokens=meta.num_tokens)
         return out.view(t, h * d)
 
     def plan(self, qkv: torch.Tensor, meta: ForwardMeta, out: torch.Tensor) -> BreakPlan:
@@ -81,7 +81,7 @@ class AttentionBackend:
         attend, _, _ = attn_kernel.prepare_extend_attention(
             q, k, v, kv.k[0], kv.v[0], meta.cu_seqlens_q, meta.prefix_lens, meta.page_table,
             kv.page_size, meta.max_q_len, self.scale, out, store_slots=slots,
-            max_prefix_len=meta.max_prefix_len)
+            max_prefix_len=meta.max_prefix_len, num_tokens=t)
         caches = list(zip(kv.k, kv.v))
 
         def triton(layer: int) -> None:

@@ -197,3 +197,79 @@ def test_repeated_one_call_reuses_its_launch_and_keeps_nothing_alive(close, attn
     del q2
     gc.collect()
     assert kept() is None, "the memo kept the caller's q alive"
+
+
+# ---- the Hopper (sm_90) kernel for prefix-free batches ------------------------------------------
+
+def _sm90_or_skip():
+    from kernels import extend_attention_sm90 as sm90
+
+    if not (sm90.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("needs Gluon and an sm_90 GPU")
+    return sm90
+
+
+SM90_CASES = [  # qlens, H, KVH, D: lengths 1/7/63/65/129/200/1000, GQA ratios 1/3/4/7
+    ([1, 7, 63, 65, 200, 129, 1000], 8, 2, 128),
+    ([1000], 4, 4, 128),
+    ([300, 17, 1], 12, 4, 64),
+    ([777, 5], 7, 1, 64),
+    ([4096], 16, 2, 128),
+]
+
+
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-{c[3]}")
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
+    """Every config shape of the Hopper kernel on awkward varlen batches, padded NaN tail rows
+    (never read with num_tokens given), strided q/k/v views of one fused buffer."""
+    sm90 = _sm90_or_skip()
+    qlens, H, KVH, D = case
+    b = attn_batch(qlens, [0] * len(qlens), 16, H, KVH, D, dtype, "cuda", pad=5)
+    ref = extend_attention_ref(*b.args(torch.float32))
+    n = b.n_valid
+    for cfg in (sm90.SM90_CONFIG, sm90.Sm90Config(128, 2, overlap=False, heads_first=False),
+                sm90.Sm90Config(64, 4, overlap=True, heads_first=False)):
+        out = b.poisoned_out()
+        res = sm90.extend_attention_sm90(b.q, b.k, b.v, b.cu_seqlens_q, b.max_q_len, out=out,
+                                         config=cfg, num_tokens=n)
+        assert res.data_ptr() == out.data_ptr()
+        close(out[:n].float(), ref[:n], dtype, f"o {cfg}")
+        assert torch.isnan(out[n:]).all(), "padded rows must stay untouched"
+
+
+def test_sm90_single_32k_sequence(close, attn_batch):
+    sm90 = _sm90_or_skip()
+    b = attn_batch([32768], [0], 16, 8, 2, 128, BF16, "cuda")
+    out = sm90.extend_attention_sm90(b.q, b.k, b.v, b.cu_seqlens_q, b.max_q_len, num_tokens=b.T)
+    ref = extend_attention_ref(*b.args(torch.float32), chunk_size=2048)
+    close(out.float(), ref, BF16, "o")
+
+
+def test_sm90_is_what_prefix_free_batches_take(close, attn_batch, monkeypatch):
+    """extend_attention and a prepared break (KV store included) pick the Hopper kernel for a
+    large prefix-free D=128 batch when told so, and the plain kernel otherwise."""
+    sm90 = _sm90_or_skip()
+    from kernels import extend_attention as ea
+
+    calls = []
+    monkeypatch.setattr(sm90, "prepare_sm90", lambda *a, _p=sm90.prepare_sm90, **kw: (
+        calls.append(1), _p(*a, **kw))[1])
+    qlens = [random.randint(600, 1000) for _ in range(8)]  # >= SM90_MIN_TOKENS rows in all
+    b = attn_batch(qlens, [0] * 8, 16, 8, 2, 128, BF16, "cuda")
+    ref = extend_attention_ref(*b.args(torch.float32))
+    o = extend_attention(*b.args(), max_prefix_len=0, num_tokens=b.T)
+    assert len(calls) == 1
+    close(o.float(), ref, BF16, "one call")
+    extend_attention(*b.args(), num_tokens=b.T)  # prefix unknown: the plain kernel
+    extend_attention(*b.args(), max_prefix_len=0)  # row count unknown: the plain kernel
+    assert len(calls) == 1
+    slots = torch.arange(b.T, device="cuda", dtype=torch.int64) + 3
+    out = b.poisoned_out()
+    attend, _, _ = ea.prepare_extend_attention(*b.args(), out=out, store_slots=slots,
+                                               max_prefix_len=0, num_tokens=b.T)
+    assert len(calls) == 2
+    kc, vc = torch.zeros_like(b.k_cache), torch.zeros_like(b.v_cache)
+    attend(kc, vc)
+    close(out.float(), ref, BF16, "prepared break")
+    assert torch.equal(kc[slots], b.k) and torch.equal(vc[slots], b.v), "the KV store"
