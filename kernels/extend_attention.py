@@ -281,37 +281,40 @@ def extend_attention(
     (see `prepare_extend_attention` for the contract). Returns o, or (o, lse) with return_lse.
 
     A call that repeats the previous one's q, k, v and metadata tensors (caches, out and lse may
-    differ) reuses its bound launch (`_LAST`): ~120 us of host time per call on the H200's host
-    otherwise, more than the kernel takes below ~1k tokens (bench/attention.py, "eager" rows).
+    differ) reuses its bound launch (`_LAST`): on the H200's host 16 us per call instead of 78
+    (plain kernel; bench/attention.py's launch_overhead) and ~90 (Hopper kernel, whose three TMA
+    descriptors are then re-encoded, not rebuilt), more than the GPU needs below ~1k tokens.
     """
-    if _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config, wrap):
-        launch, out = sm90.prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale, out,
-                                        num_tokens=num_tokens)
-        if launch is not None:
-            launch()
-        return out
     tensors = (q, k, v, cu_seqlens_q, prefix_lens, page_table)
     key = None
     if wrap is None and lse is None and q.is_cuda:
         key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.stride(0), k.stride(0),
                v.stride(0), q.dtype, tuple(page_table.shape), page_size, max_q_len, sm_scale,
-               return_lse, config, max_prefix_len, tuple(k_cache.shape), k_cache.stride(0),
-               v_cache.stride(0), k_cache.dtype, k_cache.data_ptr() % 16, v_cache.data_ptr() % 16,
+               return_lse, config, max_prefix_len, num_tokens, tuple(k_cache.shape),
+               k_cache.stride(0), v_cache.stride(0), k_cache.dtype, k_cache.data_ptr() % 16,
+               v_cache.data_ptr() % 16,
                None if out is None else (out.stride(0), out.data_ptr() % 16))
-        bound = _LAST.lookup(key, tensors)
-        if bound is not None:
+        run = _LAST.lookup(key, tensors)
+        if run is not None:
             out = torch.empty_like(q) if out is None else out
             lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
-            bound(k_cache, v_cache, out, out if lse is None else lse)
+            run(k_cache, v_cache, out, out if lse is None else lse)
             return (out, lse) if return_lse else out
-    bound, out, lse, use_tma = _bind(
+    if _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config, wrap):
+        bound, out = sm90.prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale, out,
+                                       num_tokens=num_tokens)
+        if bound is not None:
+            bound(out)
+            if key is not None and bound.detach():
+                _LAST.store(key, tensors, lambda kc, vc, o, lse_slot, _b=bound: _b(o))
+        return out
+    bound, out, lse = _bind(
         q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
         sm_scale, out, lse=lse, return_lse=return_lse, config=config, wrap=wrap,
         max_prefix_len=max_prefix_len, store_slots=None, swap=(3, 4, 5, 6))
     if bound is not None:
         bound(k_cache, v_cache, out, out if lse is None else lse)
-        # TMA descriptors hold their tensors: those launches are not kept (and cost more anyway)
-        if key is not None and not use_tma and bound.detach():
+        if key is not None and bound.detach():
             _LAST.store(key, tensors, bound)
     return (out, lse) if return_lse else out
 
@@ -370,9 +373,9 @@ def prepare_extend_attention(
         def launch_sm90(kc: torch.Tensor, vc: torch.Tensor) -> None:
             if store is not None:  # a separate launch: this kernel never touches the caches
                 store(kc, vc)
-            attend()
+            attend(out)
         return launch_sm90, out, None
-    kernel, out, lse, _ = _bind(
+    kernel, out, lse = _bind(
         q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
         sm_scale, out, lse=lse, return_lse=return_lse, config=config, wrap=wrap,
         store_slots=store_slots, max_prefix_len=max_prefix_len, swap=(3, 4))
@@ -414,9 +417,9 @@ def _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config,
 
 def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
           sm_scale, out, *, lse, return_lse, config, wrap, store_slots, max_prefix_len,
-          swap) -> tuple[Relauncher | None, torch.Tensor, torch.Tensor | None, bool]:
+          swap) -> tuple[Relauncher | None, torch.Tensor, torch.Tensor | None]:
     """Check and bind one launch (see prepare_extend_attention): (launcher whose arguments at
-    `swap` are given per call, o, lse, whether it reads k/v through TMA descriptors)."""
+    `swap` are given per call, o, lse)."""
     T, H, D = q.shape
     KVH = k.shape[1]
     B = prefix_lens.shape[0]
@@ -452,7 +455,7 @@ def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page
         assert store_slots.shape == (T,) and store_slots.dtype in (torch.int32, torch.int64), (
             f"store_slots must be ({T},) int32/int64")
     if B == 0 or max_q_len <= 0 or T == 0:
-        return None, out, lse, False
+        return None, out, lse
 
     has_prefix = max_prefix_len is None or max_prefix_len > 0
     cfg = config or pick_config(D, dtype, q.device)
@@ -485,7 +488,7 @@ def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page
     )  # fmt: skip
 
     kernel = Relauncher(_extend_attention_kernel, grid, (*before, *after), meta, swap, wrap)
-    return kernel, out, lse, use_tma
+    return kernel, out, lse
 
 
 def extend_attention_ref(

@@ -23,7 +23,6 @@ rows past a sequence are never written. The grid and the longest-first order mat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -302,8 +301,9 @@ def _descriptor(x: torch.Tensor, rows: int):
 
 def prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale=None, out=None,
                  config: Sm90Config = SM90_CONFIG, *, num_tokens: int | None = None
-                 ) -> tuple[Callable[[], None] | None, torch.Tensor]:
-    """Check and bind one launch: (launch() or None when there is nothing to compute, o).
+                 ) -> tuple[Relauncher | None, torch.Tensor]:
+    """Check and bind one launch: (launcher, o); `launcher(o)` runs it writing into o (or
+    another tensor of o's shape, strides and alignment); None when there is nothing to compute.
 
     q (T, H, D), k/v (T, KVH, D) (see `supported`), cu_seqlens_q (B + 1,) int32, max_q_len >=
     the longest sequence. `num_tokens` = cu_seqlens_q[-1] if the caller knows it: TMA then
@@ -336,7 +336,7 @@ def prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale=None, out=None,
                 CONSUMER_REGS=CONSUMER_REGS, OVERLAP=c.overlap, num_warps=4)
     grid = (H, n_m, B) if c.heads_first else (n_m, H, B)
     return Relauncher(_attention_kernel, grid, args, dict(meta, HEADS_FIRST=c.heads_first),
-                      ()), out
+                      (3,)), out
 
 
 
@@ -348,5 +348,5 @@ def extend_attention_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale=None, out=N
     launch, out = prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale, out, config,
                                num_tokens=num_tokens)
     if launch is not None:
-        launch()
+        launch(out)
     return out

@@ -22,6 +22,7 @@ other ways (tensor descriptors) make the key None: the JIT decides.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,8 +67,7 @@ class Relauncher:
         if self._fast is None:
             return False
         launcher, function, packed, vals, aligned = self._fast
-        vals = [v.data_ptr() if isinstance(v, torch.Tensor) and i not in self.swap else v
-                for i, v in enumerate(vals)]
+        vals = [v if i in self.swap else _detached(v) for i, v in enumerate(vals)]
         self._fast, self.args = (launcher, function, packed, vals, aligned), None
         return True
 
@@ -111,6 +111,31 @@ class Relauncher:
         Triton's JIT hands the launcher): positional args fill the first parameters."""
         rest = self.fn.params[len(args):]
         return args + [self.kwargs.get(p.name, p.default) for p in rest]
+
+
+class _Address:
+    """A device address standing in for a tensor where a launcher reads only `data_ptr()` (and
+    a tensor descriptor, its base's dtype): Triton's launchers take either for a pointer."""
+
+    __slots__ = ("dtype", "ptr")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _detached(v: Any) -> Any:
+    """A launch argument without references to tensors: a tensor becomes its address; a TMA
+    descriptor (Triton's or Gluon's host TensorDescriptor) a copy over an `_Address`."""
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr()
+    base = getattr(v, "base", None)
+    if isinstance(base, torch.Tensor):
+        v = copy.copy(v)
+        v.base = _Address(base.data_ptr(), base.dtype)
+    return v
 
 
 class LastLaunch:

@@ -199,6 +199,36 @@ def test_repeated_one_call_reuses_its_launch_and_keeps_nothing_alive(close, attn
     assert kept() is None, "the memo kept the caller's q alive"
 
 
+def test_repeated_one_call_of_tma_kernels_keeps_nothing_alive(close, attn_batch):
+    """The same reuse for launches through TMA descriptors (the Hopper kernel where it runs, the
+    plain kernel with TMA forced): the kept launch holds descriptors over raw addresses only."""
+    import gc
+    import weakref
+
+    from kernels import extend_attention as ea
+    from kernels.extend_attention_config import AttnConfig
+
+    b = attn_batch([4200, 300], [0, 0], 16, 8, 2, 128, BF16, "cuda", pad=3)
+    n = b.n_valid
+    ref = extend_attention_ref(*b.args(torch.float32))
+    tma = AttnConfig(128, 64, 8, 3, use_tma=True, tma_min_tokens=0)
+    for kw in (dict(max_prefix_len=0, num_tokens=n), dict(config=tma)):
+        q = b.q.clone()
+        args = (q, *b.args()[1:])
+        runs = []
+        for i in range(3):
+            out = b.poisoned_out()
+            extend_attention(*args, out=out, **kw)
+            runs.append(ea._LAST._value)
+            close(out[:n].float(), ref[:n], BF16, f"{kw}, call {i}")
+            assert torch.isnan(out[n:]).all()
+        assert runs[0] is not None and runs[1] is runs[0] and runs[2] is runs[0], f"{kw} rebound"
+        kept = weakref.ref(q)
+        del q, args, runs
+        gc.collect()
+        assert kept() is None, f"{kw}: the kept launch holds the caller's q"
+
+
 # ---- the Hopper (sm_90) kernel for prefix-free batches ------------------------------------------
 
 def _sm90_or_skip():
