@@ -55,6 +55,10 @@ class Settings(BaseSettings):
         "Model id in /v1/models and responses; default: the checkpoint's file/directory name."))
     prefix_cache: bool = Field(True, description=(
         "Reuse the KV of full pages shared with earlier prompts (page-granular prefix cache)."))
+    attention_hopper_kernel: bool = Field(True, description=(
+        "On Hopper GPUs, run prefix-free head_dim-128 batches of >= 1024 tokens through the "
+        "warp-specialized Gluon attention kernel (kernels/extend_attention_sm90.py); false: "
+        "the plain Triton kernel everywhere."))
     model_preset: str | None = Field(None, description=(
         "Random weights of a preset shape (e.g. smollm2-135m) with the default tokenizer, for "
         "benchmarks; overrides MODEL_PATH's weights."))
@@ -116,6 +120,7 @@ class EngineConfig:
     model_preset: str | None = None  # random weights of this preset shape (benchmarks)
     prefix_cache: bool = True
     cuda_graph_shared_max_tokens: int = 32
+    attention_hopper_kernel: bool = True
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -174,6 +179,7 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         kv_cache_bytes=settings.kv_cache_bytes, dp_size=settings.dp_size,
         model_preset=settings.model_preset, prefix_cache=settings.prefix_cache,
         cuda_graph_shared_max_tokens=settings.cuda_graph_shared_max_tokens,
+        attention_hopper_kernel=settings.attention_hopper_kernel,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,

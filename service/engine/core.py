@@ -95,6 +95,7 @@ class EngineCore:
         free_before = reader() if reader is not None else 0
         loaded = loaded or load(cfg, self.device, self.dtype)
         self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
+        self.model.attn.hopper = cfg.attention_hopper_kernel
         self.model_path = str(loaded.path)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         sizes = resolve_buckets(cfg.cuda_graph_buckets, cfg.cuda_graph_max_tokens,

@@ -30,6 +30,9 @@ class AttentionBackend:
         self.use_triton = kind == "triton"
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        # The kernels may pick the Hopper kernel only when told the batch's live row count;
+        # withholding it keeps the plain kernel (ATTENTION_HOPPER_KERNEL=false).
+        self.hopper = True
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of the fused projection: q (T, H, D), k and v (T, KVH, D)."""
@@ -56,7 +59,8 @@ class AttentionBackend:
         ops.extend_attention(q, k, v, kv.k[layer], kv.v[layer], meta.cu_seqlens_q,
                              meta.prefix_lens, meta.page_table, kv.page_size, meta.max_q_len,
                              sm_scale=self.scale, out=out, use_triton=self.use_triton,
-                             max_prefix_len=meta.max_prefix_len, num_tokens=meta.num_tokens)
+                             max_prefix_len=meta.max_prefix_len,
+                             num_tokens=meta.num_tokens if self.hopper else None)
         return out.view(t, h * d)
 
     def plan(self, qkv: torch.Tensor, meta: ForwardMeta, out: torch.Tensor) -> BreakPlan:
@@ -81,7 +85,7 @@ class AttentionBackend:
         attend, _, _ = attn_kernel.prepare_extend_attention(
             q, k, v, kv.k[0], kv.v[0], meta.cu_seqlens_q, meta.prefix_lens, meta.page_table,
             kv.page_size, meta.max_q_len, self.scale, out, store_slots=slots,
-            max_prefix_len=meta.max_prefix_len, num_tokens=t)
+            max_prefix_len=meta.max_prefix_len, num_tokens=t if self.hopper else None)
         caches = list(zip(kv.k, kv.v))
 
         def triton(layer: int) -> None:
