@@ -65,3 +65,47 @@ def test_triton_matches_reference_on_varlen_batch_with_prefix(name):
         assert err_out <= max(1.5 * err_ref, 1e-2), (
             f"{name}: Triton bf16 {err_out:.3g} vs fp32, reference bf16 {err_ref:.3g}")
         assert o.argmax().item() == r.argmax().item() == e.argmax().item()
+
+
+def test_hopper_kernel_in_the_model_matches_reference(monkeypatch):
+    """A head_dim-128 GQA model on a prefix-free batch of >= 4,096 tokens: on an sm_90 GPU its
+    eager forward takes the Hopper kernel (kernels/extend_attention_sm90.py), which must meet
+    the same bar as the Triton path above; ATTENTION_HOPPER_KERNEL=false's path too."""
+    import dataclasses
+
+    from kernels import extend_attention_sm90 as sm90
+
+    if not (sm90.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("needs Gluon and an sm_90 GPU")
+    cfg = dataclasses.replace(preset("llama-3.2-1b"), num_layers=2, num_heads=8,
+                              num_kv_heads=2, head_dim=128)
+    m32 = random_model(cfg, "cuda", torch.float32, seed=3)
+    m16 = copy.deepcopy(m32).to(torch.bfloat16)
+    m16.cos_sin = m32.cos_sin
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+               for n in [3000, 1500, 7]]
+
+    def last(model):
+        pre = Prefiller(model, page_size=16, tokens=8192)
+        return [x[-1].float() for x in pre.run([pre.chunk(p) for p in prompts])]
+
+    calls = []
+    monkeypatch.setattr(sm90, "prepare_sm90", lambda *a, _p=sm90.prepare_sm90, **kw: (
+        calls.append(1), _p(*a, **kw))[1])
+    _use(m32, "torch")
+    exact = last(m32)
+    _use(m16, "torch")
+    ref = last(m16)
+    _use(m16, "triton")
+    hopper = last(m16)
+    assert len(calls) == cfg.num_layers, "the Hopper kernel did not serve every layer"
+    m16.attn.hopper = False
+    plain = last(m16)
+    assert len(calls) == cfg.num_layers
+    for e, r, o, p in zip(exact, ref, hopper, plain):
+        for name, x in (("hopper", o), ("plain", p)):
+            assert torch.isfinite(x).all()
+            err_ref, err = _rel(r, e), _rel(x, e)
+            assert err <= max(1.5 * err_ref, 1e-2), f"{name} {err:.3g} vs reference {err_ref:.3g}"
+            assert x.argmax().item() == e.argmax().item()
