@@ -18,6 +18,9 @@ cu_seqlens_q[-1]: those padded rows are never read as keys and never written (a 
 keeps its contents there; a fresh output holds uninitialised values there). Sequences with 0 new
 tokens are skipped.
 
+On a Hopper GPU, batches known to be prefix-free (head_dim 128, enough rows) go to the
+warp-specialized Gluon kernel of extend_attention_sm90.py instead: see prepare_extend_attention.
+
 Trade-off: the grid is sized by max_q_len, so a batch of one long and many short sequences
 launches programs that exit at once; that costs microseconds and needs no device-side block map
 (no host sync, one launch). Prefix blocks are gathered with per-row loads (page ids fetched one

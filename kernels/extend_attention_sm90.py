@@ -10,14 +10,20 @@ rows) run QK^T, the exp2 online softmax and PV on their own schedule, so one's s
 the other's tensor-core work. No CTA-wide barrier inside the loop. Within a warpgroup QK^T of
 block j is issued together with PV of block j-1 and the softmax of j runs under PV(j-1)
 (`_overlapped`, FA3's in-warpgroup pipelining). H200, causal, D=128, 32q/8kv heads, TFLOP/s at
-S = 4k / 8k / 16k: 546 / 585 / 599 against 412 / 463 / 501 for the plain kernel and 526 / 561 /
-570 for SDPA's cuDNN backend (bench/results/attention-s4-h200-2026-11-29.md has the run).
+S = 4k / 8k / 16k: 537 / 579 / 598 against 412 / 464 / 498 for the plain kernel and 509 / 548 /
+575 for SDPA's cuDNN backend (bench/results/attention-s4-h200-2026-11-29.md).
 
 Scope: causal attention of each sequence's new tokens to themselves (no cached prefix), GQA,
 head_dim 64/128, bf16/fp16 in, fp32 accumulate; no lse. Same contract as the plain kernel
 otherwise: varlen batch through cu_seqlens_q, rows may be strided slices of a fused qkv buffer,
 rows past a sequence are never written. The grid and the longest-first order match it too.
 `extend_attention_sm90_ref` is `extend_attention_ref` with no prefix.
+
+NOTE: compute-sanitizer's racecheck reports hazards in this kernel, all inside the code Triton
+generates for `gl.warp_specialize` (captured values and partition states handed over through
+shared memory around named barrier 1), none on the buffers and mbarriers managed here; memcheck
+is clean and every numeric test passes (bench/results/README.md, racecheck-sm90-*). The service
+can turn this path off with ATTENTION_HOPPER_KERNEL=false.
 """
 
 from __future__ import annotations
@@ -60,8 +66,9 @@ class Sm90Config:
     (H, q-blocks, B), all heads of the longest q-blocks first.
 
     A persistent variant (one CTA per SM walking the tiles heaviest-first, its producer
-    streaming the next tile's K/V under the current one) measured no faster on the H200:
-    593 vs 599 TFLOP/s at 16k, 462 vs 465 on the 64-prompt varlen batch; it was dropped."""
+    streaming the next tile's K/V under the current one) measured no faster in a trial run on
+    the H200 (593 vs 599 TFLOP/s at 16k, 462 vs 465 on the 64-prompt varlen batch), so it was
+    not kept."""
 
     block_n: int = 128
     stages: int = 3
@@ -69,8 +76,9 @@ class Sm90Config:
     heads_first: bool = True
 
 
-# H200 (bench/results/attention-s4-*): causal D=128, TFLOP/s at 4k / 8k / 16k, 32q/8kv heads:
-# this config 546 / 585 / 599, without overlap 506 / 536 / 550, cuDNN 526 / 561 / 570.
+# H200 (bench/results/attention-s4-h200-2026-11-29.md), causal D=128, 32q/8kv heads, TFLOP/s at
+# 4k / 16k: this config 537 / 598; without overlap (2 stages) 509 / 548; grid (q-blocks, H, B)
+# 524 / 614; 64-key stages 514 / 483; SDPA cuDNN 509 / 575. Varlen batch: 464 for the first two.
 SM90_CONFIG = Sm90Config()
 
 
