@@ -168,9 +168,6 @@ class LastLaunch:
         self._refs = tuple(weakref.ref(t) for t in tensors)
         self._ptrs = tuple(t.data_ptr() for t in tensors)
 
-    def clear(self) -> None:
-        self.__init__()
-
 
 # (fn, device, specialization key) -> (launcher, function, packed metadata)
 _COMPILED: dict[tuple, tuple] = {}
