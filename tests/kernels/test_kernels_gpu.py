@@ -239,8 +239,9 @@ def _sm90_or_skip():
     return sm90
 
 
-SM90_CASES = [  # qlens, H, KVH, D: lengths 1/7/63/65/129/200/1000, GQA ratios 1/3/4/7
-    ([1, 7, 63, 65, 200, 129, 1000], 8, 2, 128),
+SM90_CASES = [  # qlens, H, KVH, D: lengths 0/1/7/63/65/129/200/1000, GQA ratios 1/3/4/7
+    ([1, 7, 63, 0, 65, 200, 129, 1000], 8, 2, 128),
+    ([random.Random(5).randint(1, 300) for _ in range(40)], 8, 2, 128),
     ([1000], 4, 4, 128),
     ([300, 17, 1], 12, 4, 64),
     ([777, 5], 7, 1, 64),
@@ -248,7 +249,8 @@ SM90_CASES = [  # qlens, H, KVH, D: lengths 1/7/63/65/129/200/1000, GQA ratios 1
 ]
 
 
-@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-{c[3]}")
+@pytest.mark.parametrize("case", SM90_CASES,
+                         ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-{c[3]}")
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
     """Every config shape of the Hopper kernel on awkward varlen batches, padded NaN tail rows
