@@ -68,7 +68,8 @@ class Sm90Config:
     A persistent variant (one CTA per SM walking the tiles heaviest-first, its producer
     streaming the next tile's K/V under the current one) measured no faster in a trial run on
     the H200 (593 vs 599 TFLOP/s at 16k, 462 vs 465 on the 64-prompt varlen batch), so it was
-    not kept."""
+    not kept; nor was a compact tile list instead of the grid's empty CTAs (460 vs 464 varlen,
+    bench/results/attention-s4-compact-tiles-*)."""
 
     block_n: int = 128
     stages: int = 3
@@ -255,42 +256,22 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _add(a, b):
-        return a + b
-
-    @gluon.jit
-    def _tile_of(t, cu_seqlens_q_ptr, B, TILE: gl.constexpr, MAX_B: gl.constexpr):
-        """Tile t of the batch's compact tile list -> (q_start, q_len, m_block): the tiles of
-        sequence 0, then of sequence 1, ..., each sequence's last (heaviest) q-block first;
-        m_block -1 past the last tile. One scan of the B sequence lengths, in registers."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        i = gl.arange(0, MAX_B, layout=layout)
-        lo = gl.load(cu_seqlens_q_ptr + i, mask=i < B, other=0)
-        hi = gl.load(cu_seqlens_q_ptr + i + 1, mask=i < B, other=0)
-        ends = gl.associative_scan((hi - lo + TILE - 1) // TILE, 0, _add)  # tiles through b
-        b = gl.sum((ends <= t).to(gl.int32), axis=0)  # the sequence holding tile t
-        first = gl.max(gl.where(ends <= t, ends, 0), axis=0)  # its first tile's index
-        found = (b < B).to(gl.int32)
-        b = gl.minimum(b, B - 1)
-        q_start = gl.load(cu_seqlens_q_ptr + b)
-        q_len = gl.load(cu_seqlens_q_ptr + b + 1) - q_start
-        m_block = found * (gl.cdiv(q_len, TILE) - (t - first)) - 1
-        return q_start, q_len, m_block
-
-    @gluon.jit
     def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, qk_scale, kv_group,
-                          stride_ot, B, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                          stride_ot, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                           HEADS_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          OVERLAP: gl.constexpr, MAX_B: gl.constexpr):
+                          OVERLAP: gl.constexpr):
         if HEADS_FIRST:
             h = gl.program_id(0)
-            t = gl.program_id(1)
+            pid_m = gl.program_id(1)
         else:
-            t = gl.program_id(0)
+            pid_m = gl.program_id(0)
             h = gl.program_id(1)
+        b = gl.program_id(2)
         TILE: gl.constexpr = 2 * BLOCK_M
-        q_start, q_len, m_block = _tile_of(t, cu_seqlens_q_ptr, B, TILE, MAX_B)
+        q_start = gl.load(cu_seqlens_q_ptr + b)
+        q_len = gl.load(cu_seqlens_q_ptr + b + 1) - q_start
+        m_block = gl.cdiv(q_len, TILE) - 1 - pid_m  # longest-work-first within the sequence
         if m_block >= 0:
             tile_row = m_block * TILE
             n_blocks = gl.cdiv(gl.minimum(tile_row + TILE, q_len), BLOCK_N)
@@ -356,20 +337,15 @@ def prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale=None, out=None,
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
     c = config
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    # NOTE: a grid of (q-blocks of the longest sequence) x B left most CTAs of a varlen batch
-    # empty, each still holding the kernel's 229 KB of shared memory while it started and
-    # exited; the compact list has at most B tiles more than the batch needs (one partial tile
-    # per sequence), and a CTA finds its tile by one scan of the sequence lengths.
-    tile = CONSUMERS * BLOCK_M
-    n_tiles = (num_tokens if num_tokens is not None else T) // tile + B
+    n_m = -(-max_q_len // (CONSUMERS * BLOCK_M))
     args = (_descriptor(q, CONSUMERS * BLOCK_M), _descriptor(k, c.block_n),
             _descriptor(v, c.block_n), out, cu_seqlens_q, scale / math.log(2.0), H // KVH,
             out.stride(0))
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, STAGES=c.stages,
                 CONSUMER_REGS=CONSUMER_REGS, OVERLAP=c.overlap, num_warps=4)
-    grid = (H, n_tiles) if c.heads_first else (n_tiles, H)
-    meta.update(HEADS_FIRST=c.heads_first, MAX_B=max(2, 1 << (B - 1).bit_length()))
-    return Relauncher(_attention_kernel, grid, (*args, B), meta, (3,)), out
+    grid = (H, n_m, B) if c.heads_first else (n_m, H, B)
+    return Relauncher(_attention_kernel, grid, args, dict(meta, HEADS_FIRST=c.heads_first),
+                      (3,)), out
 
 
 
