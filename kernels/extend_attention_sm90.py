@@ -17,7 +17,8 @@ Scope: causal attention of each sequence's new tokens to themselves (no cached p
 head_dim 64/128, bf16/fp16 in, fp32 accumulate; no lse. Same contract as the plain kernel
 otherwise: varlen batch through cu_seqlens_q, rows may be strided slices of a fused qkv buffer,
 rows past a sequence are never written. The grid and the longest-first order match it too.
-`extend_attention_sm90_ref` is `extend_attention_ref` with no prefix.
+Its PyTorch reference is `extend_attention_ref` (kernels/extend_attention.py) with no prefix,
+which the tests compare it against.
 
 NOTE: compute-sanitizer's racecheck reports hazards in this kernel, all inside the code Triton
 generates for `gl.warp_specialize` (captured values and partition states handed over through
@@ -50,8 +51,8 @@ try:
 except ImportError:  # pragma: no cover - older Triton: the plain kernel serves every batch
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "SM90_CONFIG", "Sm90Config", "extend_attention_sm90",
-           "extend_attention_sm90_ref", "prepare_sm90", "supported"]
+__all__ = ["HAS_GLUON", "SM90_CONFIG", "Sm90Config", "extend_attention_sm90", "prepare_sm90",
+           "supported"]
 
 BLOCK_M = 64  # query rows per consumer warpgroup (wgmma's M); a CTA owns 2 * BLOCK_M rows
 CONSUMERS = 2
@@ -81,17 +82,6 @@ class Sm90Config:
 # 4k / 16k: this config 537 / 598; without overlap (2 stages) 509 / 548; grid (q-blocks, H, B)
 # 524 / 614; 64-key stages 514 / 483; SDPA cuDNN 509 / 575. Varlen batch: 464 for the first two.
 SM90_CONFIG = Sm90Config()
-
-
-def extend_attention_sm90_ref(q, k, v, cu_seqlens_q, max_q_len, sm_scale=None):
-    """The reference: extend attention with an empty prefix."""
-    from kernels.extend_attention import extend_attention_ref
-
-    B = cu_seqlens_q.shape[0] - 1
-    empty = q.new_zeros((16, k.shape[1], q.shape[2]))
-    return extend_attention_ref(
-        q, k, v, empty, empty, cu_seqlens_q, torch.zeros(B, dtype=torch.int32, device=q.device),
-        torch.zeros((B, 1), dtype=torch.int32, device=q.device), 16, max_q_len, sm_scale)
 
 
 def supported(*xs: torch.Tensor) -> bool:
