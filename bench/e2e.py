@@ -1,7 +1,9 @@
 """End-to-end prefill on one GPU: tokens/s, latency and MFU, ours vs Hugging Face transformers.
 
 One run, random weights of real shapes (bf16), same weights for every path:
-  ours-graph   breakable CUDA graphs + Triton kernels (the service's path)
+  ours-graph   CUDA graphs + Triton kernels (the service's path: full graphs up to 1,024
+               tokens and 8 prompts, breakable graphs above)
+  ours-breakable  the same with breakable graphs only (CUDA_GRAPH_FULL_MAX_TOKENS=0)
   ours-eager   Triton kernels, no graphs
   ours-refattn no graphs, PyTorch reference attention (per-sequence SDPA) + Triton dense kernels
   hf-sdpa      transformers (sdpa attention), LM head on the last token only
@@ -74,12 +76,13 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def engine_cfg(graphs: bool, page_size: int = 16) -> EngineConfig:
+def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True) -> EngineConfig:
     return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
                         mem_fraction_static=0.70, max_prefill_tokens=8192,
                         cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
                         page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
-                        max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1)
+                        max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1,
+                        cuda_graph_full_max_tokens=1024 if full else 0)
 
 
 def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> dict:
@@ -89,7 +92,10 @@ def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> d
         pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
         chunks = [SeqChunk(tuple(x), 0, tuple(p)) for x, p in zip(ids, pages)]
         ms = timed(lambda: engine.forward(chunks), 30 if bs * s <= 1024 else 10)  # noqa: B023
-        out[f"{bs}x{s}"] = dict(ms=ms, mode=engine.forward(chunks).mode)
+        full = engine.runner.full_forwards
+        mode = engine.forward(chunks).mode
+        out[f"{bs}x{s}"] = dict(ms=ms, mode="full-graph" if engine.runner.full_forwards > full
+                                else mode)
         for p in pages:
             engine.pool.allocator.free(p)
     return out
@@ -99,7 +105,8 @@ def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
     cfg, model = loaded.cfg, loaded.model
     model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton",
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    engine = EngineCore(engine_cfg(graphs=variant == "ours-graph"), loaded=loaded)
+    engine = EngineCore(engine_cfg(graphs=variant in ("ours-graph", "ours-breakable"),
+                                   full=variant != "ours-breakable"), loaded=loaded)
     try:
         out = _time_cases(engine, cfg, gen)
         out["_memory"] = dataclasses.asdict(engine.memory)

@@ -33,6 +33,10 @@ step graphmem "${T_GM:-120}" env OUT="$R" python3 bench/graph_memory.py
 step gemm "${T_GEMM:-200}" env OUT="$R" python3 bench/indexed_linear.py
 step gpu_tests "${T_TESTS:-70}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
   tests/engine/test_graph_gpu.py tests/model/test_model_gpu.py
+step full_tests "${T_FULL:-150}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
+  tests/engine/test_full_graph_gpu.py tests/engine/test_graph_gpu.py -k "not nccl"
+step breakdown "${T_BD:-120}" env OUT="$R" python3 bench/latency_breakdown.py --tokens 128,1024
+step small_attn "${T_SMALL:-90}" env OUT="$R" python3 bench/small_attention.py ${SMALL_ARGS:-}
 step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"
 step kernel_tests "${T_KT:-50}" python3 -m pytest -v -m gpu -p no:cacheprovider \
   tests/kernels/test_kernels_gpu.py \

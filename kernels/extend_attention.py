@@ -116,6 +116,7 @@ def _extend_attention_kernel(
     PREFETCH_PAGES: tl.constexpr,
     STORE_KV: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    CACHE_TABLE: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (H, n_m, B): all heads of the longest q-blocks launch first
         h = tl.program_id(0)
@@ -131,6 +132,12 @@ def _extend_attention_kernel(
         return
     prefix_len = tl.load(prefix_lens_ptr + b)
     kvh = h // kv_group
+    if CACHE_TABLE:  # the caches' addresses are data: a captured graph reads them at replay
+        # NOTE: a loaded address carries no alignment facts; without multiple_of the KV store
+        # and prefix loads go scalar (H200: 6 -> 13 us per launch at 128 tokens).
+        elt = tl.pointer_type(q_ptr.dtype.element_ty)
+        k_cache_ptr = tl.multiple_of(tl.load(k_cache_ptr).to(elt), 16)
+        v_cache_ptr = tl.multiple_of(tl.load(v_cache_ptr).to(elt), 16)
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -314,7 +321,7 @@ def extend_attention(
     bound, out, lse = _bind(
         q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
         sm_scale, out, lse=lse, return_lse=return_lse, config=config, wrap=wrap,
-        max_prefix_len=max_prefix_len, store_slots=None, swap=(3, 4, 5, 6))
+        max_prefix_len=max_prefix_len, store_slots=None, swap=(3, 4, 5, 6), cache_table=None)
     if bound is not None:
         bound(k_cache, v_cache, out, out if lse is None else lse)
         if key is not None and bound.detach():
@@ -346,6 +353,7 @@ def prepare_extend_attention(
     store_slots: torch.Tensor | None = None,
     max_prefix_len: int | None = None,
     num_tokens: int | None = None,
+    cache_table: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None] | None, torch.Tensor,
            torch.Tensor | None]:
     """Causal attention of each sequence's new tokens to its cached prefix and to themselves.
@@ -363,9 +371,15 @@ def prepare_extend_attention(
     Returns (launch, o, lse): everything is checked and bound once; `launch(k_cache, v_cache)`
     runs the kernel on one layer's cache (None when there is nothing to compute). o is (T, H, D);
     lse (T, H) fp32 natural-log, or None unless return_lse / `lse` was given.
+
+    `cache_table` (a, b): the kernel reads each cache's base address from memory instead, and
+    `launch(a_i, b_i)` takes one-element int64 tensors holding a layer's K and V cache addresses
+    (a, b: the first layer's, for binding); k_cache/v_cache then only fix shape, dtype and
+    strides. A captured graph then replays on whatever pool those addresses name when it runs,
+    so the pool can be allocated after capture (the plain kernel only).
     """
-    if _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config, wrap,
-                 SM90_MIN_TOKENS_PREPARED):
+    if cache_table is None and _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse,
+                                         return_lse, config, wrap, SM90_MIN_TOKENS_PREPARED):
         attend, out = sm90.prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale, out,
                                         num_tokens=num_tokens)
         store = (kv_store.prepare_store_kv(k, v, k_cache, v_cache, store_slots)
@@ -381,10 +395,11 @@ def prepare_extend_attention(
     kernel, out, lse = _bind(
         q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
         sm_scale, out, lse=lse, return_lse=return_lse, config=config, wrap=wrap,
-        store_slots=store_slots, max_prefix_len=max_prefix_len, swap=(3, 4))
+        store_slots=store_slots, max_prefix_len=max_prefix_len, swap=(3, 4),
+        cache_table=cache_table)
     if kernel is None:
         return None, out, lse
-    shape = k_cache.shape
+    shape = k_cache.shape if cache_table is None else (1,)
 
     def launch(kc: torch.Tensor, vc: torch.Tensor) -> None:
         # NOTE: every layer's cache shares the prepared one's shape, dtype and strides (one KV
@@ -420,7 +435,7 @@ def _use_sm90(q, k, v, out, max_prefix_len, num_tokens, lse, return_lse, config,
 
 def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
           sm_scale, out, *, lse, return_lse, config, wrap, store_slots, max_prefix_len,
-          swap) -> tuple[Relauncher | None, torch.Tensor, torch.Tensor | None]:
+          swap, cache_table) -> tuple[Relauncher | None, torch.Tensor, torch.Tensor | None]:
     """Check and bind one launch (see prepare_extend_attention): (launcher whose arguments at
     `swap` are given per call, o, lse)."""
     T, H, D = q.shape
@@ -454,6 +469,10 @@ def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if lse is not None:
         assert lse.shape == (T, H) and lse.dtype == torch.float32 and lse.stride(1) == 1
+    if cache_table is not None:
+        for x in cache_table:
+            assert x.shape == (1,) and x.dtype == torch.int64 and x.device == q.device, (
+                "cache_table entries must be one-element int64 tensors of cache addresses")
     if store_slots is not None:
         assert store_slots.shape == (T,) and store_slots.dtype in (torch.int32, torch.int64), (
             f"store_slots must be ({T},) int32/int64")
@@ -461,7 +480,7 @@ def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page
         return None, out, lse
 
     has_prefix = max_prefix_len is None or max_prefix_len > 0
-    cfg = config or pick_config(D, dtype, q.device)
+    cfg = config or pick_config(D, dtype, q.device, max_q_len)
     assert cfg.block_m % cfg.block_n == 0, "BLOCK_M must be a multiple of BLOCK_N"
     d_pad = max(16, triton.next_power_of_2(D))
     # TMA descriptors cost ~55 us of host time per launch: only worth it on large batches
@@ -471,7 +490,7 @@ def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page
         k_desc, v_desc = (_tma_descriptor(x, cfg.block_n, D) for x in (k, v))
     n_m = triton.cdiv(max_q_len, cfg.block_m)
     grid = (H, n_m, B) if cfg.heads_first else (n_m, H, B)
-    before = (q, k, v, k_cache, v_cache)
+    before = (q, k, v, *(cache_table or (k_cache, v_cache)))
     after = (
         out, lse if lse is not None else out, k_desc, v_desc,
         cu_seqlens_q, prefix_lens, page_table,
@@ -487,6 +506,7 @@ def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page
         **dot_flags(dtype, q.device.type),
         HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
         STORE_KV=store_slots is not None, HAS_PREFIX=has_prefix,
+        CACHE_TABLE=cache_table is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

@@ -47,6 +47,16 @@ CONFIGS: dict[tuple[int, int], AttnConfig] = {
     (9, 128): AttnConfig(128, 64, 8, 3, use_tma=True),
     (9, 256): AttnConfig(64, 64, 4, 2),
 }
+# Batches whose longest sequence has at most `bound` new tokens (the full graphs' buckets, small
+# breakable ones): 64-row tiles give short batches more programs. H200, bench/results/
+# small-attention-*.md, one prefix-free prompt of 128 / 512 / 1,024 tokens, us per launch, table
+# config vs this: 9q/3kv D64 5.9 / 11 / 17 vs 4.1 / 7.3 / 14; 32q/8kv D128 9.9 vs 6.3 at 128
+# (at 512 / 1,024 only 16 / 42 vs 16 / 38: D128 keeps its table entry there, whose page-id
+# prefetch and TMA the long-prefix extend case was tuned with).
+SMALL_CONFIGS: dict[tuple[int, int], tuple[tuple[int, AttnConfig], ...]] = {
+    (9, 64): ((1024, AttnConfig(64, 64, 4, 3, prefetch_pages=False)),),
+    (9, 128): ((256, AttnConfig(64, 32, 4, 2)),),
+}
 DEFAULTS = {
     64: AttnConfig(128, 64, 4, 3),
     128: AttnConfig(128, 64, 8, 3),
@@ -56,13 +66,26 @@ FP32_CONFIG = AttnConfig(64, 32, 4, 2)
 INTERPRETER_CONFIG = AttnConfig(16, 16, 4, 1)
 
 
+def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                max_q_len: int | None = None) -> AttnConfig:
+    """The table entry for this head_dim, dtype and device (interpreter: the smallest tiles);
+    with `max_q_len` (the longest sequence's new tokens, or a bound), the small-batch entry
+    where one covers it."""
+    table, small = _entries(head_dim, dtype, device)
+    if max_q_len is not None:
+        for bound, cfg in small:
+            if max_q_len <= bound:
+                return cfg
+    return table
+
+
 @functools.lru_cache(maxsize=64)
-def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> AttnConfig:
-    """The table entry for this head_dim, dtype and device (interpreter: the smallest tiles)."""
+def _entries(head_dim: int, dtype: torch.dtype, device: torch.device
+             ) -> tuple[AttnConfig, tuple[tuple[int, AttnConfig], ...]]:
     if device.type != "cuda":
-        return INTERPRETER_CONFIG
+        return INTERPRETER_CONFIG, ()
     if dtype == torch.float32:
-        return FP32_CONFIG
+        return FP32_CONFIG, ()
     d_key = max(64, 1 << (head_dim - 1).bit_length())
     major, _ = torch.cuda.get_device_capability(device)
-    return CONFIGS.get((major, d_key), DEFAULTS[d_key])
+    return CONFIGS.get((major, d_key), DEFAULTS[d_key]), SMALL_CONFIGS.get((major, d_key), ())

@@ -38,6 +38,13 @@ class Settings(BaseSettings):
         "Buckets up to this many tokens capture one middle-layer graph that every layer "
         "replays (weights picked on the device): ~130 KB of driver memory per graph saved "
         "per layer and bucket. 0: one graph per layer everywhere."))
+    cuda_graph_full_max_tokens: int = Field(1024, ge=0, le=1 << 20, description=(
+        "Buckets up to this many tokens also capture a full graph (attention inside, one "
+        "launch per forward) for batches of at most CUDA_GRAPH_FULL_MAX_SEQS prompts. "
+        "0: breakable graphs only."))
+    cuda_graph_full_max_seqs: int = Field(8, ge=1, le=256, description=(
+        "Most prompts in a batch that replays a full graph (its attention grid covers this "
+        "many sequences)."))
     page_size: int = Field(16, ge=1, le=256)
     max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted.")
     max_queue_requests: int = Field(256, ge=1, description="Prompts waiting before 429.")
@@ -121,6 +128,8 @@ class EngineConfig:
     prefix_cache: bool = True
     cuda_graph_shared_max_tokens: int = 32
     attention_hopper_kernel: bool = True
+    cuda_graph_full_max_tokens: int = 1024
+    cuda_graph_full_max_seqs: int = 8
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -180,6 +189,8 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         model_preset=settings.model_preset, prefix_cache=settings.prefix_cache,
         cuda_graph_shared_max_tokens=settings.cuda_graph_shared_max_tokens,
         attention_hopper_kernel=settings.attention_hopper_kernel,
+        cuda_graph_full_max_tokens=settings.cuda_graph_full_max_tokens,
+        cuda_graph_full_max_seqs=settings.cuda_graph_full_max_seqs,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,

@@ -32,8 +32,8 @@ from service.engine.memory import (
     size_after_capture,
 )
 from service.engine.pages import pages_for
-from service.engine.runner import PrefillRunner
-from service.engine.sampling import LastRow, last_rows
+from service.engine.runner import FullGraphSpec, PrefillRunner
+from service.engine.sampling import LastRow, last_rows, unpack
 from service.model.config import preset
 from service.model.loader import LoadedModel, default_model_path, load_model, random_model
 
@@ -101,9 +101,13 @@ class EngineCore:
         sizes = resolve_buckets(cfg.cuda_graph_buckets, cfg.cuda_graph_max_tokens,
                                 cfg.max_prefill_tokens) if cuda else ()
         backend = CudaGraphBackend(self.stream) if sizes else None
+        context = min(cfg.max_prompt_tokens, self.model.max_positions)
+        full = FullGraphSpec(cfg.cuda_graph_full_max_tokens, cfg.cuda_graph_full_max_seqs,
+                             pages_for(context, cfg.page_size))
         self.runner = PrefillRunner(self.model, Buckets(sizes), backend, dp=dp_group,
                                     stream=self.stream,
-                                    shared_max_tokens=cfg.cuda_graph_shared_max_tokens)
+                                    shared_max_tokens=cfg.cuda_graph_shared_max_tokens,
+                                    full=full)
         self.forward_counts = self.runner.forward_counts
         weights = weights_nbytes(self.model)
         if reader is not None:
@@ -159,8 +163,15 @@ class EngineCore:
         assert all(c.num_tokens for c in chunks), "every chunk needs at least one new token"
         logits, batch, mode = self.runner.prefill(chunks, self.pool.cache)
         rows = batch.logits_rows
-        ends = logits[[e - 1 for _, e in rows]]  # (B, vocab): every chunk's last row
-        last = last_rows(ends) if rows else []
+        if batch.summary is not None:  # reduced inside a full graph
+            last = unpack(batch.summary)
+        elif rows:
+            # (B, vocab): every chunk's last row. NOTE: a device index; a Python list would be
+            # copied from pageable memory, which waits for the whole forward before the host
+            # can queue these reductions.
+            last = last_rows(logits.index_select(0, batch.last_rows))
+        else:
+            last = []
         return ForwardOutput([logits[s:e] for s, e in rows], last, mode,
                              time.perf_counter() - t0)
 

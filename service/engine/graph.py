@@ -108,7 +108,10 @@ class SegmentBackend:
     # -- public ---------------------------------------------------------------------------------
     def capture_one(self, shape_key: Hashable, run_once: Callable[[Any], None],
                     capture_inputs: Any = None,
-                    post_warmup_hook: Callable[[], None] | None = None) -> None:
+                    post_warmup_hook: Callable[[], None] | None = None,
+                    whole: bool = False) -> None:
+        """`whole`: breaks and dense steps alike go into ONE graph (the breaks must then read
+        nothing but fixed buffers: service.engine.full_graph)."""
         assert shape_key not in self._steps, f"shape {shape_key!r} captured twice"
         t0 = time.perf_counter()
         with self._context():
@@ -116,7 +119,10 @@ class SegmentBackend:
             if post_warmup_hook is not None:
                 post_warmup_hook()
             steps: list[Step] = []
-            run_once(_Capturing(self, shape_key, steps))
+            if whole:
+                steps.append(self._capture_dense(lambda: run_once(_Direct()), shape_key))
+            else:
+                run_once(_Capturing(self, shape_key, steps))
         self._steps[shape_key] = steps
         if capture_inputs is not None:
             self._retained[shape_key] = capture_inputs

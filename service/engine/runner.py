@@ -11,10 +11,12 @@ by the LM head.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -22,13 +24,24 @@ from service.engine.batch import PrefillBatch, SeqChunk, build_batch
 from service.engine.buckets import Buckets
 from service.engine.buffers import BucketViews, StaticBuffers
 from service.engine.dp import DPCaptureInputs, DPGroup, DPTokens, mlp_width, shard_mlp
+from service.engine.full_graph import FullBuffers, capture_chunks
 from service.engine.graph import SegmentBackend, _Direct
+from service.engine.sampling import summarize
 from service.model.attention import BreakPlan
 from service.model.llama import LlamaModel
-from service.model.meta import KVCache
+from service.model.meta import KVAddresses, KVCache
 from service.model.stacked import IndexedLayer, stack_layers
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FullGraphSpec:
+    """Which buckets get a full graph and the fixed shapes its attention reads."""
+
+    max_tokens: int  # buckets up to this many tokens (0: no full graphs)
+    max_seqs: int = 8  # sequences per batch
+    max_pages: int = 2048  # pages per sequence (the longest context / page size)
 
 
 @contextmanager
@@ -65,11 +78,16 @@ class PrefillRunner:
     segment (one more node per layer; it could ride on the segment's last kernel). Each graph
     holds ~130 KB of driver memory, so this turns buckets x (L + 1) graphs into buckets x 3 for
     those buckets. 0: off. Not with data parallelism (its MLPs are sharded per rank).
+
+    `full`: buckets of at most `full.max_tokens` tokens also capture a full graph (attention
+    inside: service.engine.full_graph) that batches of at most `full.max_seqs` sequences replay
+    with one launch. Not with data parallelism.
     """
 
     def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend | None,
                  dp: DPGroup | None = None, stream: torch.cuda.Stream | None = None,
-                 retain_capture_batch: bool = False, shared_max_tokens: int = 0):
+                 retain_capture_batch: bool = False, shared_max_tokens: int = 0,
+                 full: FullGraphSpec | None = None):
         self.model, self.cfg = model, model.cfg
         w = next(model.parameters())
         self.device, self.dtype = w.device, w.dtype
@@ -90,6 +108,10 @@ class PrefillRunner:
         self.bufs: StaticBuffers | None = None
         self._live: BreakPlan | None = None  # the handle the breaks read at replay
         self.forward_counts = {"graph": 0, "eager": 0}
+        self.full = full if dp is None and full is not None and full.max_tokens > 0 else None
+        self.full_bufs: FullBuffers | None = None
+        self.kv_addrs: KVAddresses | None = None
+        self.full_forwards = 0  # graph forwards that replayed a full graph
 
     # -- selection --------------------------------------------------------------------------------
     def can_use_graph(self, batch: PrefillBatch | int) -> bool:
@@ -98,6 +120,13 @@ class PrefillRunner:
 
     def pad_to_bucket(self, n: int) -> int | None:
         return self.buckets.pad_to_bucket(n)
+
+    def can_use_full(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], n: int) -> bool:
+        """A full graph serves this batch of n live tokens (with no other DP rank)."""
+        if self.full_bufs is None or not self.buckets.use_graph(n):
+            return False
+        bucket = self.buckets.pad_to_bucket(n)
+        return self.backend.has(("full", bucket)) and self.full_bufs.fits(chunks, bucket)
 
     @contextmanager
     def on_stream(self) -> Iterator[None]:
@@ -131,6 +160,12 @@ class PrefillRunner:
         t = sum(c.num_tokens for c in chunks)
         counts = self.dp.all_gather_counts(t) if self.dp is not None else None
         n = max(counts) if counts is not None else t
+        if self.can_use_full(chunks, n):
+            with self.on_stream():
+                logits, batch = self.forward_full(chunks, kv, self.buckets.pad_to_bucket(n))
+            self.forward_counts["graph"] += 1
+            self.full_forwards += 1
+            return logits, batch, "graph"
         graph = self.can_use_graph(n)
         with self.on_stream():
             batch = build_batch(chunks, kv, self.device,
@@ -177,12 +212,29 @@ class PrefillRunner:
             self._live = None
         return self.model.logits(v.hidden, batch.meta)
 
+    @torch.inference_mode()
+    def forward_full(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
+                     ) -> tuple[torch.Tensor, PrefillBatch]:
+        """Load the batch into the full graphs' buffers, replay bucket n's full graph (the
+        forward up to the final norm, attention included), then the LM head."""
+        self.kv_addrs.bind(kv)
+        batch = self.full_bufs.load(chunks, kv, n)
+        self.backend.replay(("full", n))
+        b = len(chunks)
+        # NOTE: copies, not views: the next forward overwrites the graph's buffers
+        return self.full_bufs.logits[:b].clone(), dataclasses.replace(
+            batch, summary=self.full_bufs.summary[:b].clone())
+
     # -- capture ----------------------------------------------------------------------------------
-    def _run_once(self, v: BucketViews, dp: DPTokens | None) -> Callable[[object], None]:
+    def _run_once(self, v: BucketViews, dp: DPTokens | None, plan: BreakPlan | None = None,
+                  head_rows: torch.Tensor | None = None) -> Callable[[object], None]:
         """The forward of one bucket as dense steps and breaks. NOTE: closes over static views
-        and DP capture-only tensors only; the breaks read the live batch from `self._live`."""
+        and DP capture-only tensors only; the breaks read the live batch from `self._live`,
+        or with `plan` (a full graph's static break) call it, captured with the rest; then
+        with `head_rows` the LM head on those rows and their first-token reductions, into the
+        full graphs' output buffers."""
         m, layers = self.model, self.model.layers
-        shared = self._shared if v.n <= self.shared_max_tokens else None
+        shared = self._shared if v.n <= self.shared_max_tokens and plan is None else None
         counter = self._layer
 
         def first() -> None:
@@ -207,10 +259,18 @@ class PrefillRunner:
             counter.add_(1)
 
         def brk(i: int) -> Callable[[], None]:
+            if plan is not None:
+                return lambda: plan(i)
+
             def run() -> None:
                 if self._live is not None:  # None: no live rows (an idle DP rank)
                     self._live(i)
             return run
+
+        def head() -> None:
+            out = self.full_bufs
+            out.logits.copy_(m.logits_at(v.hidden, head_rows))
+            summarize(out.logits, out=out.summary)
 
         def run_once(rec) -> None:
             rec.dense(first)
@@ -220,6 +280,8 @@ class PrefillRunner:
                     rec.dense(middle, share="middle")
                 else:
                     rec.dense(segment(i))
+            if head_rows is not None:
+                rec.dense(head)
         return run_once
 
     def _plan(self, batch: PrefillBatch, v: BucketViews) -> BreakPlan | None:
@@ -231,10 +293,8 @@ class PrefillRunner:
         """n tokens (sequences no longer than the RoPE table) whose KV all goes to the dummy
         page: the scratch pool needs only that page, and no prefix is read. Tests wrap this
         to watch batch lifetimes."""
-        longest = min(n, self.model.max_positions)
-        lengths = [longest] * (n // longest) + ([n % longest] if n % longest else [])
-        return build_batch([SeqChunk((1,) * q, 0, (0,) * -(-q // kv.page_size))
-                            for q in lengths], kv, self.device)
+        return build_batch(capture_chunks(n, self.model.max_positions, kv.page_size), kv,
+                           self.device)
 
     def _dp_inputs(self, n: int) -> DPCaptureInputs:
         kept = self.backend.retained(n)
@@ -264,6 +324,35 @@ class PrefillRunner:
                 self._capture_bucket(n, scratch_kv)
                 if on_bucket is not None:
                     on_bucket(k, n)
+            if self.full is not None:
+                self._capture_full(scratch_kv)
+
+    def _capture_full(self, kv: KVCache) -> None:
+        """One full graph per bucket of at most full.max_tokens (after the breakable ones: it
+        allocates nothing, every tensor it touches is a static buffer)."""
+        sizes = [n for n in self.buckets.capture_order() if n <= self.full.max_tokens]
+        if not sizes or len(self.model.layers) == 0:
+            return
+        if self.full_bufs is None:
+            self.full_bufs = FullBuffers(max(sizes), self.full.max_seqs, self.full.max_pages,
+                                         self.cfg.vocab_size, self.device)
+            self.kv_addrs = KVAddresses(len(self.model.layers), self.device)
+        self.kv_addrs.bind(kv)
+        try:
+            for n in sizes:
+                fv = self.full_bufs.views(n)
+                self.full_bufs.load(capture_chunks(n, self.model.max_positions, kv.page_size),
+                                      kv, n)
+                v = dataclasses.replace(self.bufs.views(n), input_ids=fv.input_ids,
+                                        positions=fv.positions)
+                plan = self.model.attn.plan_static(v.qkv, v.attn, fv.cu_seqlens_q,
+                                                   fv.prefix_lens, fv.page_table,
+                                                   fv.slot_mapping, self.kv_addrs)
+                self.backend.capture_one(("full", n),
+                                         self._run_once(v, None, plan, fv.head_rows),
+                                         whole=True)
+        finally:
+            self.kv_addrs.unbind()  # the scratch pool must be freeable before KV sizing
 
     def _capture_bucket(self, n: int, kv: KVCache) -> None:
         v = self.bufs.views(n)
@@ -313,14 +402,27 @@ class PrefillRunner:
 
     @property
     def static_bytes(self) -> int:
-        return self.bufs.nbytes if self.bufs is not None else 0
+        full = self.full_bufs.nbytes if self.full_bufs is not None else 0
+        addrs = self.kv_addrs.table.numel() * 8 if self.kv_addrs is not None else 0
+        return (self.bufs.nbytes if self.bufs is not None else 0) + full + addrs
 
     @property
     def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self.backend.shape_keys)) if self.backend is not None else ()
+        """Buckets with a (breakable) graph."""
+        if self.backend is None:
+            return ()
+        return tuple(sorted(k for k in self.backend.shape_keys if isinstance(k, int)))
+
+    @property
+    def full_captured(self) -> tuple[int, ...]:
+        """Buckets that also have a full graph."""
+        if self.backend is None:
+            return ()
+        return tuple(sorted(k[1] for k in self.backend.shape_keys if isinstance(k, tuple)))
 
     def close(self) -> None:
         """Free the graphs, their pool and the static buffers."""
         if self.backend is not None:
             self.backend.close()
         self.bufs = None
+        self.full_bufs = self.kv_addrs = None

@@ -74,17 +74,35 @@ def _pairs(ids: list[float], vals: list[float]) -> list[TokenLogprob]:
     return [TokenLogprob(int(i), v) for i, v in zip(ids, vals)]
 
 
-def last_rows(logits: torch.Tensor) -> list[LastRow]:
-    """One `LastRow` per row of (B, V) logits, reduced in one batch where the logits live and
-    copied to the host as one (B, 2 + 2k) float64 tensor (exact for ids and fp32 values)."""
+def summary_width(vocab: int) -> int:
+    """Columns of `summarize`'s output for this vocabulary."""
+    return 2 + 2 * min(MAX_TOP_LOGPROBS, vocab)
+
+
+def summarize(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """What `LastRow` needs of each row of (B, V) logits, reduced where the logits live: a
+    (B, 2 + 2k) float64 tensor (greedy id, its logprob, top-k ids, top-k logprobs; exact for ids
+    and fp32 values), into `out` if given (a full CUDA graph's fixed buffer)."""
     lp = log_softmax(logits)  # (B, V)
     k = min(MAX_TOP_LOGPROBS, lp.shape[-1])
     ids = torch.argmax(logits, dim=-1, keepdim=True)  # (B, 1)
     vals, top = torch.topk(lp, k, dim=-1)  # (B, k)
     packed = torch.cat([ids.double(), lp.gather(-1, ids).double(), top.double(), vals.double()],
                        dim=-1)  # (B, 2 + 2k)
+    return packed if out is None else out.copy_(packed)
+
+
+def unpack(packed: torch.Tensor) -> list[LastRow]:
+    """`summarize`'s rows as `LastRow`s: one copy to the host."""
+    k = (packed.shape[-1] - 2) // 2
     return [LastRow(TokenLogprob(int(r[0]), r[1]), _pairs(r[2:2 + k], r[2 + k:]))
             for r in packed.tolist()]
+
+
+def last_rows(logits: torch.Tensor) -> list[LastRow]:
+    """One `LastRow` per row of (B, V) logits, reduced in one batch where the logits live and
+    copied to the host as one (B, 2 + 2k) float64 tensor."""
+    return unpack(summarize(logits))
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -19,7 +19,7 @@ import torch
 
 from kernels import extend_attention as attn_kernel
 from kernels import ops
-from service.model.meta import ForwardMeta
+from service.model.meta import ForwardMeta, KVAddresses
 
 BACKENDS = ("triton", "torch")
 
@@ -90,6 +90,40 @@ class AttentionBackend:
 
         def triton(layer: int) -> None:
             attend(*caches[layer])  # t > 0, so the launch is not None
+        return triton
+
+
+    def plan_static(self, qkv: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                    slot_mapping: torch.Tensor, addrs: KVAddresses) -> BreakPlan:
+        """The break of a full CUDA graph, captured with the dense layers: every argument is a
+        fixed buffer the runner refills before each replay. qkv (n, (H+2KVH)*D) and out (n, H*D)
+        hold all n bucket rows; cu_seqlens_q (S+1,) may end in empty sequences; page_table
+        (S, W) rows may be wider than a batch needs; slot_mapping (n,) sends padding rows to
+        the dummy slot. The pool is the one `addrs` names when the plan runs (bound at capture
+        for shapes and strides). Rows past cu_seqlens_q[-1] are neither attended nor written."""
+        n = qkv.shape[0]
+        q, k, v = self.split(qkv)
+        out = out.view(n, self.num_heads, self.head_dim)
+        kv = addrs.kv
+        assert kv is not None, "bind the KV addresses before planning"
+        if not self.use_triton:
+            def reference(layer: int) -> None:
+                live = addrs.kv  # read at every run, as the kernel reads the table
+                kc, vc = live.k[layer], live.v[layer]
+                ops.store_kv(k, v, kc, vc, slot_mapping, use_triton=False)
+                ops.extend_attention(q, k, v, kc, vc, cu_seqlens_q, prefix_lens, page_table,
+                                     live.page_size, n, sm_scale=self.scale, out=out,
+                                     use_triton=False)
+            return reference
+
+        attend, _, _ = attn_kernel.prepare_extend_attention(
+            q, k, v, kv.k[0], kv.v[0], cu_seqlens_q, prefix_lens, page_table, kv.page_size, n,
+            self.scale, out, store_slots=slot_mapping, cache_table=addrs.rows[0])
+        rows = addrs.rows
+
+        def triton(layer: int) -> None:
+            attend(*rows[layer])
         return triton
 
 

@@ -196,8 +196,12 @@ class LlamaModel(nn.Module):
 
     def logits(self, h_normed: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """LM head on the selected rows only, fp32 logits (N, vocab)."""
-        rows = h_normed.index_select(0, meta.logits_indices)  # (N, hidden)
-        return torch.nn.functional.linear(rows, self.head_weight).float()
+        return self.logits_at(h_normed, meta.logits_indices)
+
+    def logits_at(self, h_normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """LM head on h_normed[rows], fp32 logits (len(rows), vocab)."""
+        picked = h_normed.index_select(0, rows)  # (N, hidden)
+        return torch.nn.functional.linear(picked, self.head_weight).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: ForwardMeta, dp=None) -> torch.Tensor:

@@ -24,6 +24,39 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
+class KVAddresses:
+    """Every layer's K and V pool base address as device data: (2, layers, 2) int64, the
+    address in [..., 0] (a 16-byte stride, so every entry is aligned alike: a compiled kernel
+    is specialized on its pointers' 16-byte alignment).
+
+    A full CUDA graph (attention captured with the dense layers) reads the pool through this
+    table, not through addresses fixed at capture, so the pool can still be allocated after
+    capture at its final address, and a graph runs on whichever pool is bound when it replays.
+    """
+
+    def __init__(self, layers: int, device: torch.device | str):
+        self.table = torch.zeros(2, layers, 2, dtype=torch.int64, device=device)
+        self.rows = [(self.table[0, i, :1], self.table[1, i, :1]) for i in range(layers)]
+        self.kv: KVCache | None = None
+
+    def bind(self, kv: KVCache) -> None:
+        """Point the table at `kv` (a no-op when it already does)."""
+        if kv is self.kv:
+            return
+        layers = self.table.shape[1]
+        assert len(kv.k) == layers, f"a pool of {len(kv.k)} layers for a table of {layers}"
+        addrs = [[(t.data_ptr(), 0) for t in kv.k], [(t.data_ptr(), 0) for t in kv.v]]
+        # the kernels assume 16-byte aligned caches (their loads and stores are vectorized)
+        assert all(a % 16 == 0 for row in addrs for a, _ in row), "caches must be 16-B aligned"
+        self.table.copy_(torch.tensor(addrs, dtype=torch.int64))
+        self.kv = kv
+
+    def unbind(self) -> None:
+        """Drop the reference to the bound pool (the table keeps stale addresses: bind again
+        before the next replay)."""
+        self.kv = None
+
+
 @dataclass(frozen=True)
 class ForwardMeta:
     """A flat varlen batch of B sequences, T real tokens (the ids may be padded beyond T).

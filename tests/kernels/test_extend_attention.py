@@ -168,3 +168,43 @@ def test_fused_kv_store(H, KVH, D, dtype, device, close, attn_batch):
     assert torch.equal(vc.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v cache"
     ref = extend_attention_ref(*batch.args(torch.float32))
     close(out[:n].float(), ref[:n], dtype, "o")
+
+
+@pytest.mark.parametrize("H,KVH,D,dtype", [(4, 4, 64, F32), (6, 2, 128, BF16)])
+def test_cache_addresses_read_at_launch(H, KVH, D, dtype, device, close, attn_batch):
+    """cache_table: the kernel reads the caches' base addresses from memory at launch (what a
+    captured graph replays), so rewriting the table moves it to another pool; a batch padded
+    with empty sequences and a wider page table (a graph's fixed metadata shapes) is exact."""
+    from kernels.extend_attention import prepare_extend_attention
+    from kernels.kv_store import store_kv_ref
+
+    qlens, plens = [7, 65, 1], [23, 0, 16]
+    batch = attn_batch(qlens, plens, 16, H, KVH, D, dtype, device)
+    n = batch.n_valid
+    q, k, v, kc, vc, cu, pl, pt, ps, mq = batch.args()
+    pad = 3  # empty sequences after the live ones, and extra page-table columns
+    cu_p = torch.cat([cu, cu[-1:].repeat(pad)])
+    pl_p = torch.cat([pl, pl.new_zeros(pad)])
+    pt_p = torch.zeros(pt.shape[0] + pad, pt.shape[1] + 5, dtype=pt.dtype, device=device)
+    pt_p[: pt.shape[0], : pt.shape[1]] = pt
+    ptc = pt.cpu()
+    slots = torch.full((q.shape[0],), 0, dtype=torch.int64, device=device)
+    slots[:n] = torch.tensor([int(ptc[b, pos // 16]) * 16 + pos % 16
+                              for b, (ql, p) in enumerate(zip(qlens, plens))
+                              for pos in range(p, p + ql)], device=device)
+    other_k, other_v = kc.clone(), vc.clone()  # a second pool with the same prefix contents
+    kc.fill_(float("nan"))  # the bound pool: reading it would poison the output
+    table = torch.tensor([[kc.data_ptr()], [vc.data_ptr()]], dtype=torch.int64, device=device)
+    out = batch.poisoned_out()
+    launch, _, _ = prepare_extend_attention(
+        q, k, v, kc, vc, cu_p, pl_p, pt_p, ps, q.shape[0], out=out, config=_config(device),
+        store_slots=slots, cache_table=(table[0], table[1]))
+    want_k, want_v = other_k.clone(), other_v.clone()
+    store_kv_ref(k[:n], v[:n], want_k, want_v, slots[:n])
+    table.copy_(torch.tensor([[other_k.data_ptr()], [other_v.data_ptr()]]))
+    launch(table[0], table[1])
+    assert torch.equal(other_k.nan_to_num(7.0), want_k.nan_to_num(7.0)), "k stored in the new pool"
+    assert torch.equal(other_v.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v stored in the new pool"
+    ref = extend_attention_ref(q, k, v, other_k, other_v, cu, pl, pt, ps, mq)
+    close(out[:n].float(), ref[:n].float(), dtype, "o")
+    assert torch.isnan(out[n:]).all(), "padded rows untouched"

@@ -1,0 +1,120 @@
+"""Full CUDA graphs on a GPU: for every bucket up to 1,024 tokens, a varlen batch with cached
+prefixes replayed through its full graph (attention and KV store inside) equals the eager
+forward of the same padded rows (the same per-layer GEMMs; the breakable graphs of buckets up
+to 32 tokens use layer-indexed Triton GEMMs instead), logits and stored KV; the KV pool is
+allocated after capture and can change between replays; the engine core serves small batches
+with one launch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from service.engine.batch import build_batch
+from service.engine.buckets import Buckets, default_ladder
+from service.engine.graph import CudaGraphBackend
+from service.engine.kv_pool import KVPool
+from service.engine.runner import FullGraphSpec, PrefillRunner
+from service.model.config import preset
+from service.model.loader import random_model
+from tests.engine.helpers import chunk, engine_cfg, prompts
+from tests.engine.test_graph_gpu import relerr, varlen_batch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+PAGE = 16
+BF16 = torch.bfloat16
+FULL = FullGraphSpec(1024, 8, 2048)
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "llama-3.2-1b"])
+def runner(request):
+    cfg = preset(request.param, num_layers=3)
+    model = random_model(cfg, "cuda", BF16, seed=0)
+    stream = torch.cuda.Stream()
+    r = PrefillRunner(model, Buckets(default_ladder(2048)), CudaGraphBackend(stream),
+                      stream=stream, shared_max_tokens=32, full=FULL)
+    with torch.inference_mode():
+        r.capture(KVPool(cfg, PAGE, PAGE, BF16, "cuda").cache)
+    yield r
+    r.close()
+
+
+def kv_rows(pool, chunks):
+    slots = torch.tensor([p * PAGE + i for c in chunks for p in c.pages for i in range(PAGE)],
+                         device="cuda")
+    return [torch.stack([k[slots], v[slots]]) for k, v in zip(pool.cache.k, pool.cache.v)]
+
+
+def test_full_graph_equals_eager_for_every_small_bucket(runner):
+    sizes = runner.full_captured
+    assert sizes == tuple(n for n in default_ladder(2048) if n <= 1024) and len(sizes) == 38
+    pool = KVPool(runner.cfg, 64 * 1024, PAGE, BF16, "cuda")  # allocated after capture
+    rng = random.Random(0)
+    for prev, n in zip((0, *sizes), sizes):
+        total = rng.randint(max(prev + 1, (n + 1) // 2), n)
+        chunks = varlen_batch(runner, pool, total, rng)
+        assert runner.can_use_full(chunks, total)
+        before = runner.full_forwards
+        with torch.inference_mode():
+            full, batch, mode = runner.prefill(chunks, pool.cache)
+            full = full.clone()
+            kv_full = kv_rows(pool, chunks)
+            with runner.on_stream():  # the same padded rows, eagerly
+                brk = runner.forward_eager(build_batch(chunks, pool.cache, "cuda", pad_to=n))
+        torch.cuda.synchronize()
+        assert mode == "graph" and runner.full_forwards == before + 1
+        assert batch.padded_tokens == n and torch.isfinite(full).all(), n
+        assert relerr(full, brk) <= 1e-3, (n, relerr(full, brk))
+        assert torch.equal(full.argmax(-1), brk.argmax(-1)), n
+        for a, b in zip(kv_full, kv_rows(pool, chunks)):
+            assert relerr(a, b) <= 1e-3, n
+        for c in chunks:
+            pool.allocator.free(list(c.pages))
+
+
+def test_full_graph_follows_the_pool_it_is_given(runner):
+    """Two pools allocated after capture, different prefixes under the same pages."""
+    outs = []
+    for seed in (1, 2):
+        pool = KVPool(runner.cfg, 4096, PAGE, BF16, "cuda")
+        ids = prompts(runner.cfg.vocab_size, [90], seed=seed)[0]
+        head = chunk(pool, ids[:70])
+        tail = chunk(pool, ids[70:], 70, list(head.pages))
+        with torch.inference_mode():
+            runner.prefill([head], pool.cache)
+            got, _, _ = runner.prefill([tail], pool.cache)
+            b = build_batch([tail], pool.cache, "cuda")
+            want = runner.model(b.input_ids, b.positions, b.meta)
+        torch.cuda.synchronize()
+        assert runner.full_forwards > 0 and runner.kv_addrs.kv is pool.cache
+        assert relerr(got, want) <= 2e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
+        outs.append(got)
+        del pool
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_engine_core_replays_full_graphs_and_sizes_kv_after_capture():
+    from service.engine.core import EngineCore
+    from service.model.loader import LoadedModel
+
+    cfg = preset("smollm2-135m", num_layers=4)
+    loaded = LoadedModel(random_model(cfg, "cuda", BF16), None, cfg, "random", 0.0)
+    core = EngineCore(engine_cfg(device="cuda", dtype="bfloat16", mem_fraction_static=0.3,
+                                 max_prefill_tokens=2048, cuda_graph_max_tokens=2048,
+                                 page_size=PAGE), loaded=loaded)
+    m = core.memory
+    assert core.runner.full_captured == tuple(n for n in m.buckets if n <= 1024)
+    ideal = (m.free_after_capture_bytes - m.reserve_bytes) // cfg.kv_bytes_per_token(2)
+    assert m.kv_tokens >= 0.99 * ideal and m.retained_input_bytes == 0
+    ids = prompts(cfg.vocab_size, [300, 20], seed=3)
+    out = core.forward([chunk(core.pool, x) for x in ids])
+    assert out.mode == "graph" and core.runner.full_forwards == 1
+    assert [x.shape for x in out.logits] == [(1, cfg.vocab_size)] * 2
+    assert [r.greedy.id for r in out.last] == [int(x[-1].argmax()) for x in out.logits]
+    core.close()
+    del core
+    torch.cuda.empty_cache()
