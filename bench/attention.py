@@ -198,6 +198,8 @@ def tflops(flops: float, ms: float | None) -> float | None:
 
 def causal_cases(args, cuda, device, dtype, rows):
     seqs = [64] if args.dry_run else [512, 1024, 2048, 4096, 8192, 16384]
+    if getattr(args, "small", False):
+        seqs = [512, 1024]
     dims = [64] if args.dry_run else [64, 128]
     heads = [(4, 2)] if args.dry_run else [(32, 8), (16, 2)]
     sweep = seqs[-1:] if args.dry_run else [4096, 16384]
@@ -447,6 +449,8 @@ def plot(rows, path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny cases, CPU interpreter")
+    parser.add_argument("--small", action="store_true",
+                        help="only the causal cases at S = 512 and 1k (a quick re-check)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.dry_run
     device, dtype = ("cuda" if cuda else "cpu"), torch.bfloat16
@@ -460,7 +464,7 @@ def main() -> None:
         meta["table_config_d128"] = str(pick_config(128, dtype, torch.device("cuda")))
         meta["table_config_d64"] = str(pick_config(64, dtype, torch.device("cuda")))
     rows = Rows()
-    for step in (causal_cases, varlen_case, extend_cases):
+    for step in (causal_cases,) if args.small else (causal_cases, varlen_case, extend_cases):
         try:
             step(args, cuda, device, dtype, rows)
         except Exception:  # keep what was measured; the traceback goes into the results

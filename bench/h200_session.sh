@@ -41,7 +41,7 @@ step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-l
 step kernel_tests "${T_KT:-50}" python3 -m pytest -v -m gpu -p no:cacheprovider \
   tests/kernels/test_kernels_gpu.py \
   -k "batch_of_64 or table_configs or graph_capture or opcheck or prepared or sm90 or repeated"
-step attention "${T_ATTN:-420}" env OUT="$R" python3 bench/attention.py
+step attention "${T_ATTN:-420}" env OUT="$R" python3 bench/attention.py ${ATTN_ARGS:-}
 step capture "${T_CAP:-95}" env OUT="$R" python3 -m bench.capture --budget-s "${CAP_BUDGET:-50}"
 step sanitizer "${T_SAN:-35}" compute-sanitizer --tool memcheck --error-exitcode 3 \
   python3 -m bench.capture --sanitize-smoke

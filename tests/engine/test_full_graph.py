@@ -213,3 +213,15 @@ def test_full_graph_on_triton_kernels_matches_reference():
     live = np.concatenate([np.arange(p * 4, p * 4 + 4) for c in tails for p in c.pages])
     for k, kr in zip(pool.cache.k, ref_pool.cache.k):
         torch.testing.assert_close(k[live], kr[live], atol=1e-4, rtol=0)
+
+
+def test_settings_reach_the_engine_config():
+    from service.config import ConfigError, load_settings, resolve
+
+    eng, _ = resolve(load_settings({"CUDA_GRAPH_FULL_MAX_TOKENS": "256",
+                                    "CUDA_GRAPH_FULL_MAX_SEQS": "4"}), False)
+    assert (eng.cuda_graph_full_max_tokens, eng.cuda_graph_full_max_seqs) == (256, 4)
+    default, _ = resolve(load_settings({}), False)
+    assert (default.cuda_graph_full_max_tokens, default.cuda_graph_full_max_seqs) == (1024, 8)
+    with pytest.raises(ConfigError, match="CUDA_GRAPH_FULL_MAX_SEQS"):
+        load_settings({"CUDA_GRAPH_FULL_MAX_SEQS": "0"})
