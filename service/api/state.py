@@ -107,12 +107,15 @@ class AppState:
             "device_name": _device_name(cfg.device),
             "load_seconds": round(self.scheduler.load_seconds, 3),
             "graph": {"enabled": bool(mem.buckets), "buckets": list(mem.buckets),
-                      "max_tokens": cfg.cuda_graph_max_tokens},
+                      "max_tokens": cfg.cuda_graph_max_tokens,
+                      "full_buckets": list(mem.full_buckets),
+                      "full_max_seqs": cfg.cuda_graph_full_max_seqs},
             "memory": dataclasses.asdict(mem),
             "kv": {"page_size": eng.pool.page_size, "capacity_tokens": eng.pool.capacity_tokens,
                    "used_tokens": self.scheduler.kv_used_tokens,
                    "prefix_cached_tokens": self.scheduler.kv_cached_tokens},
             "prefix_cache": cfg.prefix_cache,
             "forward_counts": dict(eng.forward_counts),
+            "full_graph_forwards": eng.runner.full_forwards,
         })
         return out

@@ -21,8 +21,8 @@ after the launch, one device-to-host copy of the live rows' summary is all the h
 instead of ~30 more launches.
 
 `FullBuffers` owns those buffers and loads a batch into them with two host-to-device copies (one
-per dtype) from pinned staging buffers: ids, positions, slots, head rows (int64) and cu_seqlens_q,
-prefix lengths, page table (int32), at offsets fixed per bucket.
+per dtype) from pinned staging buffers, filled sequence by sequence: ids, positions, slots, head
+rows (int64) and cu_seqlens_q, prefix lengths, page table (int32), at offsets fixed per bucket.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from service.engine.batch import PrefillBatch, SeqChunk, host_batch
+from service.engine.batch import PrefillBatch, SeqChunk
+from service.engine.pages import DUMMY_SLOT, pages_for
 from service.engine.sampling import summary_width
 from service.model.meta import ForwardMeta, KVCache
 
@@ -60,10 +61,11 @@ class FullBuffers:
     """Fixed-address inputs and outputs of the full graphs (all buckets share them): the batch,
     and the last rows' fp32 logits and their `summarize` reductions, up to max_seqs rows."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, vocab: int,
-                 device: torch.device | str):
-        assert max_tokens > 0 and max_seqs > 0 and max_pages > 0
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, page_size: int,
+                 vocab: int, device: torch.device | str):
+        assert max_tokens > 0 and max_seqs > 0 and max_pages > 0 and page_size > 0
         self.max_tokens, self.max_seqs, self.max_pages = max_tokens, max_seqs, max_pages
+        self.page_size = page_size
         r, s = _round_up(max_tokens), max_seqs
         # int64: ids | positions | slots at multiples of round_up(n), then the head's token rows
         # (S, padded with row 0), then each sequence's row in the logits (arange)
@@ -79,6 +81,9 @@ class FullBuffers:
         self._stage64 = torch.empty(self.i64.shape, dtype=torch.int64, pin_memory=pinned)
         self._stage32 = torch.empty(self.i32.shape, dtype=torch.int32, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
+        self._np64, self._np32 = self._stage64.numpy(), self._stage32.numpy()
+        self._arange = np.arange(max(max_pages * page_size, max_seqs), dtype=np.int64)
+        self._views: dict[int, FullViews] = {}
 
     @property
     def nbytes(self) -> int:
@@ -94,40 +99,57 @@ class FullBuffers:
                 and not any(c.all_logits for c in chunks))
 
     def views(self, n: int) -> FullViews:
+        if n in self._views:
+            return self._views[n]
         r, s = _round_up(n), self.max_seqs
-        return FullViews(
+        v = self._views[n] = FullViews(
             input_ids=self.i64[:n], positions=self.i64[r:r + n],
             slot_mapping=self.i64[2 * r:2 * r + n], head_rows=self.i64[3 * r:3 * r + s],
             cu_seqlens_q=self.i32[:s + 1], prefix_lens=self.i32[s + 1:2 * s + 1],
             page_table=self.i32[2 * s + 1:].view(s, self.max_pages))
+        return v
 
     def load(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
              ) -> PrefillBatch:
         """Write a batch (padded to the bucket's n tokens) into the buffers; the returned batch's
         tensors are views of them. NOTE: its meta.cu_seqlens_q has max_seqs + 1 entries (the
-        unused sequences empty), while meta.q_lens lists the live ones."""
-        assert self.fits(chunks, n), "batch does not fit the full graphs' buffers"
-        h = host_batch(chunks, kv.page_size, pad_to=n)
-        r, s, w = _round_up(n), self.max_seqs, self.max_pages
-        b, t = len(chunks), int(h.cu[-1])
+        unused sequences empty), while meta.q_lens lists the live ones.
 
+        Filled sequence by sequence straight into the staging arrays (at most max_seqs of them):
+        ~4x less host time than flattening through `host_batch` (whose vectorized form pays
+        off on batches of many sequences), and this runs before the graph can start."""
+        assert self.fits(chunks, n), "batch does not fit the full graphs' buffers"
+        assert kv.page_size == self.page_size, f"page size {kv.page_size} != {self.page_size}"
+        r, s, w, ps = _round_up(n), self.max_seqs, self.max_pages, kv.page_size
+        b = len(chunks)
         if self._copied is not None:
-            self._copied.synchronize()
-        i64 = self._stage64[:3 * r + 2 * s]
-        a = i64.numpy()
-        a[:n], a[r:r + n], a[2 * r:2 * r + n] = h.ids, h.positions, h.slots
-        a[3 * r:3 * r + b], a[3 * r + b:3 * r + s] = h.logits_idx, 0  # one row per sequence
-        a[3 * r + s:] = np.arange(s)
-        i32 = self._stage32[:2 * s + 1 + b * w]
-        c = i32.numpy()
-        c[:b + 1], c[b + 1:s + 1] = h.cu, t
-        c[s + 1:s + 1 + b], c[s + 1 + b:2 * s + 1] = h.prefix, 0
-        table = c[2 * s + 1:].reshape(b, w)
+            self._copied.synchronize()  # the previous load's copies have left the staging
+        a, c = self._np64, self._np32
+        ids, pos, slots, head = a[:n], a[r:r + n], a[2 * r:2 * r + n], a[3 * r:3 * r + s]
+        cu, prefix = c[:s + 1], c[s + 1:2 * s + 1]
+        table = c[2 * s + 1:2 * s + 1 + b * w].reshape(b, w)
         table[:] = 0
-        table[:, :h.table.shape[1]] = h.table
+        t = 0
+        for i, ch in enumerate(chunks):
+            q, p = ch.num_tokens, ch.prefix_len
+            assert pages_for(p + q, ps) <= len(ch.pages), (
+                f"positions up to {p + q} need {pages_for(p + q, ps)} pages, "
+                f"sequence owns {len(ch.pages)}")
+            at = self._arange[p:p + q]
+            row = table[i]
+            row[:len(ch.pages)] = ch.pages
+            ids[t:t + q] = ch.token_ids
+            pos[t:t + q] = at
+            slots[t:t + q] = row[at // ps].astype(np.int64) * ps + at % ps
+            cu[i + 1], prefix[i], head[i] = t + q, p, t + q - 1
+            t += q
+        ids[t:], pos[t:], slots[t:], head[b:] = 0, 0, DUMMY_SLOT, 0
+        cu[0], cu[b + 1:], prefix[b:] = 0, t, 0
+        a[3 * r + s:3 * r + 2 * s] = self._arange[:s]  # each sequence's row in the logits
         # NOTE: non_blocking from pinned memory is a true async copy (on the current stream)
-        self.i64[:i64.numel()].copy_(i64, non_blocking=True)
-        self.i32[:i32.numel()].copy_(i32, non_blocking=True)
+        k64, k32 = 3 * r + 2 * s, 2 * s + 1 + b * w
+        self.i64[:k64].copy_(self._stage64[:k64], non_blocking=True)
+        self.i32[:k32].copy_(self._stage32[:k32], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
@@ -135,8 +157,10 @@ class FullBuffers:
         meta = ForwardMeta(
             cu_seqlens_q=v.cu_seqlens_q, prefix_lens=v.prefix_lens, page_table=v.page_table,
             slot_mapping=v.slot_mapping, logits_indices=v.head_rows[:b],
-            q_lens=h.q_lens, prefix_lens_host=h.prefix_lens, kv=kv)
-        return PrefillBatch(v.input_ids, v.positions, meta, h.logits_rows,
+            q_lens=tuple(ch.num_tokens for ch in chunks),
+            prefix_lens_host=tuple(ch.prefix_len for ch in chunks), kv=kv)
+        return PrefillBatch(v.input_ids, v.positions, meta,
+                            tuple((i, i + 1) for i in range(b)),
                             self.i64[3 * r + s:3 * r + s + b])
 
 

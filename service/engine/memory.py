@@ -55,6 +55,7 @@ class MemoryReport:
     static_buffer_bytes: int = 0  # the runner's shared max-size buffers (part of capture)
     graphs: int = 0
     path: str = "cpu"  # "cuda-graphs" | "cuda-eager" | "cpu"
+    full_buckets: tuple[int, ...] = field(default_factory=tuple)  # buckets with a full graph
 
 
 def cuda_free_bytes(device: torch.device | str) -> MemoryReader:
@@ -170,5 +171,6 @@ def size_after_capture(runner: PrefillRunner, reader: MemoryReader, free_before:
         mem_fraction_static=fraction, capture_seconds=capture_s, buckets=runner.captured,
         free_after_capture_bytes=free_now, static_buffer_bytes=runner.static_bytes,
         graphs=runner.backend.num_graphs if runner.backend is not None else 0,
-        path="cuda-graphs" if runner.captured else f"{device.type}-eager")
+        path="cuda-graphs" if runner.captured else f"{device.type}-eager",
+        full_buckets=runner.full_captured)
     return report, plan

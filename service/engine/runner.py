@@ -335,7 +335,7 @@ class PrefillRunner:
             return
         if self.full_bufs is None:
             self.full_bufs = FullBuffers(max(sizes), self.full.max_seqs, self.full.max_pages,
-                                         self.cfg.vocab_size, self.device)
+                                         kv.page_size, self.cfg.vocab_size, self.device)
             self.kv_addrs = KVAddresses(len(self.model.layers), self.device)
         self.kv_addrs.bind(kv)
         try:

@@ -14,6 +14,8 @@ def test_ready_app_endpoints(api) -> None:
     assert info["state"] == "ready" and info["device"] == "cpu" and info["dtype"] == "float32"
     assert info["model_path"].endswith(".gguf")
     assert info["graph"]["enabled"] is False
+    assert info["graph"]["full_buckets"] == [] and info["graph"]["full_max_seqs"] == 8
+    assert info["full_graph_forwards"] == 0
     mem = info["memory"]
     for key in ("weights_bytes", "capture_bytes", "retained_input_bytes", "kv_bytes", "kv_tokens",
                 "mem_fraction_static", "free_before_bytes", "reserve_bytes"):

@@ -55,7 +55,7 @@ def with_prefixes(model, pool, lengths, prefixes, seed):
 
 
 def test_inputs_are_padded_to_fixed_shapes():
-    bufs = FullBuffers(32, SEQS, PAGES, 97, "cpu")
+    bufs = FullBuffers(32, SEQS, PAGES, PAGE, 97, "cpu")
     pool = KVPool(tiny_cfg(), 512, PAGE, torch.float32, "cpu")
     chunks = with_prefixes(tiny_model(), pool, [5, 2], [6, 0], seed=1)
     bufs.i64.fill_(-7)
@@ -78,7 +78,7 @@ def test_inputs_are_padded_to_fixed_shapes():
 
 
 def test_fits_limits_sequences_tokens_context_and_prompt_logprobs():
-    bufs = FullBuffers(32, SEQS, PAGES, 97, "cpu")
+    bufs = FullBuffers(32, SEQS, PAGES, PAGE, 97, "cpu")
     pool = KVPool(tiny_cfg(), 1024, PAGE, torch.float32, "cpu")
     ids = prompts(97, [4] * 4, seed=2)
     assert bufs.fits([chunk(pool, x) for x in ids[:3]], 16)
@@ -88,6 +88,9 @@ def test_fits_limits_sequences_tokens_context_and_prompt_logprobs():
     assert not bufs.fits([long], 16)
     c = chunk(pool, ids[1])
     assert not bufs.fits([dataclasses.replace(c, all_logits=True)], 16)  # every row's logits
+    short = dataclasses.replace(chunk(pool, ids[2], prefix_len=3), pages=c.pages[:1])
+    with pytest.raises(AssertionError, match="need 2 pages"):  # 7 positions, pages of 4
+        bufs.load([short], pool.cache, 16)
 
 
 @pytest.fixture(scope="module")

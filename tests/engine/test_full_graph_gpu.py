@@ -108,6 +108,7 @@ def test_engine_core_replays_full_graphs_and_sizes_kv_after_capture():
                                  page_size=PAGE), loaded=loaded)
     m = core.memory
     assert core.runner.full_captured == tuple(n for n in m.buckets if n <= 1024)
+    assert m.full_buckets == core.runner.full_captured
     ideal = (m.free_after_capture_bytes - m.reserve_bytes) // cfg.kv_bytes_per_token(2)
     assert m.kv_tokens >= 0.99 * ideal and m.retained_input_bytes == 0
     ids = prompts(cfg.vocab_size, [300, 20], seed=3)
