@@ -153,9 +153,3 @@ class _Pack:
         # NOTE: non_blocking from pinned memory is a true async copy; the caching host allocator
         # keeps the host buffer from being reused until the copy has finished.
         return self.host(device.type == "cuda").to(device, non_blocking=True)
-
-    def into(self, dst: torch.Tensor) -> None:
-        """Copy the packed parts into the front of `dst` (a fixed device buffer)."""
-        assert self.size <= dst.numel(), f"{self.size} elements for a buffer of {dst.numel()}"
-        if self.size:
-            dst[: self.size].copy_(self.host(dst.is_cuda)[: self.size], non_blocking=True)

@@ -7,6 +7,11 @@ i-1) + pre(layer i); the last = post(last layer) + final norm. Each break is ONE
 and ONE attention launch on the live, unpadded rows, with metadata built once per batch.
 Padding rows are never attended to, never stored (the break sees live rows only) and never read
 by the LM head.
+
+Small batches (a bucket up to CUDA_GRAPH_FULL_MAX_TOKENS, at most CUDA_GRAPH_FULL_MAX_SEQS
+prompts, no prompt logprobs) replay a full graph instead: the same steps with attention, the
+LM head and the first-token reductions captured too, reading fixed-shape buffers
+(service.engine.full_graph).
 """
 
 from __future__ import annotations
@@ -215,8 +220,8 @@ class PrefillRunner:
     @torch.inference_mode()
     def forward_full(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
                      ) -> tuple[torch.Tensor, PrefillBatch]:
-        """Load the batch into the full graphs' buffers, replay bucket n's full graph (the
-        forward up to the final norm, attention included), then the LM head."""
+        """Load the batch into the full graphs' buffers and replay bucket n's full graph: the
+        forward with attention, the LM head on each sequence's last row and `summarize`."""
         self.kv_addrs.bind(kv)
         batch = self.full_bufs.load(chunks, kv, n)
         self.backend.replay(("full", n))
