@@ -21,7 +21,6 @@ from service.engine.kv_pool import KVPool
 from service.engine.pages import DUMMY_SLOT
 from service.engine.runner import FullGraphSpec, PrefillRunner
 from service.engine.sampling import last_rows, unpack
-from service.model.loader import random_model
 from tests.engine.helpers import PAGE, chunk, prompts, tiny_cfg, tiny_model
 
 ATOL = 1e-4
@@ -193,24 +192,10 @@ def test_no_full_graphs_when_off_or_with_shared_layers_only_above():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_full_graph_on_triton_kernels_matches_reference():
     """The kernels read the fixed metadata and the pool's addresses from memory (cache table)."""
-    cfg = tiny_cfg(arch="qwen2", qkv_bias=True, num_layers=3)
-    tri = random_model(cfg, "cpu", torch.float32, attn_backend="triton", seed=1)
-    tri.set_kernels(True)
-    ref = random_model(cfg, "cpu", torch.float32, attn_backend="torch", seed=1)
-    runner = PrefillRunner(tri, Buckets((8, 16)), SegmentBackend(),
-                           full=FullGraphSpec(16, SEQS, PAGES))
-    runner.capture(KVPool(cfg, 4, 4, torch.float32, "cpu").cache)
-    pool, ref_pool = (KVPool(cfg, 256, 4, torch.float32, "cpu") for _ in range(2))
-    ps = prompts(cfg.vocab_size, [9, 5], seed=3)
-    heads = [chunk(pool, p[:4]) for p in ps]
-    with torch.inference_mode():
-        runner.prefill(heads, pool.cache)  # prefixes into the paged pool, through a full graph
-        b = build_batch(heads, ref_pool.cache, "cpu")
-        ref(b.input_ids, b.positions, b.meta)
-        tails = [chunk(pool, p[4:], 4, list(h.pages)) for p, h in zip(ps, heads)]
-        got, batch, mode = runner.prefill(tails, pool.cache)
-        b = build_batch(tails, ref_pool.cache, "cpu")
-        want = ref(b.input_ids, b.positions, b.meta)
+    from tests.engine.test_runner_triton import triton_vs_reference
+
+    runner, got, batch, mode, want, tails, pool, ref_pool = triton_vs_reference(
+        full=FullGraphSpec(16, SEQS, PAGES))  # the prefixes go through a full graph too
     assert mode == "graph" and runner.full_forwards == 2 and batch.padded_tokens == 8
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     live = np.concatenate([np.arange(p * 4, p * 4 + 4) for c in tails for p in c.pages])

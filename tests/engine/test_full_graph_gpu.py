@@ -2,8 +2,8 @@
 prefixes replayed through its full graph (attention and KV store inside) equals the eager
 forward of the same padded rows (the same per-layer GEMMs; the breakable graphs of buckets up
 to 32 tokens use layer-indexed Triton GEMMs instead), logits and stored KV; the KV pool is
-allocated after capture and can change between replays; the engine core serves small batches
-with one launch.
+allocated after capture and can change between replays. (The engine core's full graphs:
+tests/engine/test_graph_gpu.py::test_engine_core_sizes_kv_after_capture.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.runner import FullGraphSpec, PrefillRunner
 from service.model.config import preset
 from service.model.loader import random_model
-from tests.engine.helpers import chunk, engine_cfg, prompts
+from tests.engine.helpers import chunk, prompts
 from tests.engine.test_graph_gpu import relerr, varlen_batch
 
 pytestmark = [pytest.mark.gpu,
@@ -96,26 +96,3 @@ def test_full_graph_follows_the_pool_it_is_given(runner):
         del pool
     assert not torch.equal(outs[0], outs[1])
 
-
-def test_engine_core_replays_full_graphs_and_sizes_kv_after_capture():
-    from service.engine.core import EngineCore
-    from service.model.loader import LoadedModel
-
-    cfg = preset("smollm2-135m", num_layers=4)
-    loaded = LoadedModel(random_model(cfg, "cuda", BF16), None, cfg, "random", 0.0)
-    core = EngineCore(engine_cfg(device="cuda", dtype="bfloat16", mem_fraction_static=0.3,
-                                 max_prefill_tokens=2048, cuda_graph_max_tokens=2048,
-                                 page_size=PAGE), loaded=loaded)
-    m = core.memory
-    assert core.runner.full_captured == tuple(n for n in m.buckets if n <= 1024)
-    assert m.full_buckets == core.runner.full_captured
-    ideal = (m.free_after_capture_bytes - m.reserve_bytes) // cfg.kv_bytes_per_token(2)
-    assert m.kv_tokens >= 0.99 * ideal and m.retained_input_bytes == 0
-    ids = prompts(cfg.vocab_size, [300, 20], seed=3)
-    out = core.forward([chunk(core.pool, x) for x in ids])
-    assert out.mode == "graph" and core.runner.full_forwards == 1
-    assert [x.shape for x in out.logits] == [(1, cfg.vocab_size)] * 2
-    assert [r.greedy.id for r in out.last] == [int(x[-1].argmax()) for x in out.logits]
-    core.close()
-    del core
-    torch.cuda.empty_cache()

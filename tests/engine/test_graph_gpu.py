@@ -1,6 +1,7 @@
 """Breakable CUDA graphs on a GPU: replay equals eager for every bucket of the default ladder
 on random varlen batches with cached prefixes, also after smaller buckets were captured into
-the shared pool; DP world size 1 with graphs; the engine core's post-capture sizing.
+the shared pool; DP world size 1 with graphs; the engine core's post-capture sizing (with its
+full graphs: tests/engine/test_full_graph_gpu.py covers those).
 
 `test_sanitizer_smoke` is small enough for compute-sanitizer:
     compute-sanitizer --tool memcheck python -m pytest tests/engine/test_graph_gpu.py -k smoke
@@ -166,9 +167,14 @@ def test_engine_core_sizes_kv_after_capture():
     ideal = (m.free_after_capture_bytes - m.reserve_bytes) // cfg.kv_bytes_per_token(2)
     assert m.kv_tokens >= 0.99 * ideal and m.kv_bytes == core.pool.nbytes
     assert m.eager_peak_bytes > 0 and m.weights_bytes > 0
-    ids = prompts(cfg.vocab_size, [300], seed=3)[0]
-    out = core.forward([chunk(core.pool, ids)])
-    assert out.mode == "graph" and out.logits[0].shape == (1, cfg.vocab_size)
+    # full graphs (the default) for buckets up to 1,024 tokens, captured before KV sizing
+    assert core.runner.full_captured == tuple(n for n in m.buckets if n <= 1024)
+    assert m.full_buckets == core.runner.full_captured
+    ids = prompts(cfg.vocab_size, [300, 20], seed=3)
+    out = core.forward([chunk(core.pool, x) for x in ids])
+    assert out.mode == "graph" and core.runner.full_forwards == 1
+    assert [x.shape for x in out.logits] == [(1, cfg.vocab_size)] * 2
+    assert [r.greedy.id for r in out.last] == [int(x[-1].argmax()) for x in out.logits]
     core.close()
     del core
     torch.cuda.empty_cache()

@@ -23,15 +23,15 @@ pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # the interpreter's
 
 
-@pytest.mark.parametrize("dp,shared", [(None, 0), (DPGroup(), 0), (None, 8)],
-                         ids=["plain", "dp1", "layer-shared"])
-def test_triton_kernels_through_static_views_match_reference(dp, shared):
+def triton_vs_reference(**runner_kw):
+    """A 3-layer Qwen2-style model on the Triton kernels in a captured runner and the same
+    weights on the reference path: two prompts' 4-token prefixes, then their tails after them.
+    Returns (runner, logits, batch, mode, want, tails, pool, ref_pool), those of the tails."""
     cfg = tiny_cfg(arch="qwen2", qkv_bias=True, num_layers=3)
     tri = random_model(cfg, "cpu", torch.float32, attn_backend="triton", seed=1)
     tri.set_kernels(True)
     ref = random_model(cfg, "cpu", torch.float32, attn_backend="torch", seed=1)
-    runner = PrefillRunner(tri, Buckets((8, 16)), SegmentBackend(), dp=dp,
-                           shared_max_tokens=shared)
+    runner = PrefillRunner(tri, Buckets((8, 16)), SegmentBackend(), **runner_kw)
     runner.capture(KVPool(cfg, 4, 4, torch.float32, "cpu").cache)
     pool, ref_pool = (KVPool(cfg, 256, 4, torch.float32, "cpu") for _ in range(2))
     ps = prompts(cfg.vocab_size, [9, 5], seed=3)
@@ -44,5 +44,12 @@ def test_triton_kernels_through_static_views_match_reference(dp, shared):
         got, batch, mode = runner.prefill(tails, pool.cache)
         b = build_batch(tails, ref_pool.cache, "cpu")
         want = ref(b.input_ids, b.positions, b.meta)
+    return runner, got, batch, mode, want, tails, pool, ref_pool
+
+
+@pytest.mark.parametrize("dp,shared", [(None, 0), (DPGroup(), 0), (None, 8)],
+                         ids=["plain", "dp1", "layer-shared"])
+def test_triton_kernels_through_static_views_match_reference(dp, shared):
+    _, got, batch, mode, want, *_ = triton_vs_reference(dp=dp, shared_max_tokens=shared)
     assert mode == "graph" and batch.padded_tokens == 8
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
