@@ -140,16 +140,13 @@ class _Pack:
         self.size = start + x.size
         return slice(start, self.size)
 
-    def host(self, pinned: bool) -> torch.Tensor:
-        """The packed host buffer (pinned: page-locked, for a true async copy)."""
-        host = torch.empty(max(self.size, 1), dtype=self.TORCH[self.dtype], pin_memory=pinned)
+    def to(self, device: torch.device | str) -> torch.Tensor:
+        device = torch.device(device)
+        host = torch.empty(max(self.size, 1), dtype=self.TORCH[self.dtype],
+                           pin_memory=device.type == "cuda")
         buf = host.numpy()
         for start, x in self.parts:
             buf[start:start + x.size] = x
-        return host
-
-    def to(self, device: torch.device | str) -> torch.Tensor:
-        device = torch.device(device)
         # NOTE: non_blocking from pinned memory is a true async copy; the caching host allocator
-        # keeps the host buffer from being reused until the copy has finished.
-        return self.host(device.type == "cuda").to(device, non_blocking=True)
+        # keeps `host` from being reused until the copy has finished.
+        return host.to(device, non_blocking=True)
