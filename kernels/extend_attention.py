@@ -234,16 +234,6 @@ def _extend_attention_kernel(
             mask=valid[:, None] & d_mask[None, :],
             other=0.0,
         )
-        if STORE_KV:
-            # The fused KV store: the diagonal blocks of one head per KV group cover every new
-            # row exactly once. No other program reads these slots (the prefix part reads only
-            # slots below each sequence's prefix length), so storing here cannot race.
-            if h % kv_group == 0:
-                slot = tl.load(slot_ptr + q_start + rows, mask=valid, other=0).to(tl.int64)
-                tl.store(kc_base + slot[None, :] * stride_kcs + offs_d[:, None], k,
-                         mask=valid[None, :] & d_mask[:, None])
-                tl.store(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], v,
-                         mask=valid[:, None] & d_mask[None, :])
         qk = _dot(q, k, None, DOT_PRECISION, DOT_UPCAST)
         qk = tl.where(offs_m[:, None] >= rows[None, :], qk, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION, DOT_UPCAST)
@@ -257,6 +247,23 @@ def _extend_attention_kernel(
     if RETURN_LSE:
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 units -> natural log
         tl.store(lse_ptr + q_rows * stride_lset + h, lse, mask=m_mask)
+    if STORE_KV:
+        # The fused KV store: one head per KV group writes its q-block's rows, so the programs
+        # cover every new row exactly once. No program reads these slots (the prefix part reads
+        # only slots below each sequence's prefix length), so it cannot race. NOTE: here, after
+        # the output, with its own row-major loads: storing the diagonal loop's K/V tiles
+        # instead slowed the whole kernel (H200, 32q/8kv D64, one 8k prompt: 811 vs 640 us;
+        # bench/results/attention-store-*).
+        if h % kv_group == 0:
+            for start_n in range(diag_start, diag_end, BLOCK_N):
+                rows = start_n + offs_n
+                valid = rows < q_len
+                mask = valid[:, None] & d_mask[None, :]
+                slot = tl.load(slot_ptr + q_start + rows, mask=valid, other=0).to(tl.int64)
+                k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=mask)
+                tl.store(kc_base + slot[:, None] * stride_kcs + offs_d[None, :], k, mask=mask)
+                v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=mask)
+                tl.store(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], v, mask=mask)
 
 
 def _tma_descriptor(x: torch.Tensor, block_n: int, head_dim: int):

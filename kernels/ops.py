@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from kernels import activation, kv_store, linear, rope
+from kernels import activation, kv_store, linear, logits_summary, rope
 from kernels import extend_attention as attn
 from kernels import rms_norm as norm
 from kernels._triton import HAS_TRITON
@@ -116,6 +116,11 @@ def _extend_attention_op(
     )
 
 
+@triton_op("prefill::logits_summary", mutates_args={"out", "logits_out"})
+def _logits_summary_op(logits: Tensor, k: int, out: Tensor, logits_out: Tensor | None) -> None:
+    logits_summary.logits_summary(logits, k, out, logits_out, wrap=wrap_triton)
+
+
 def _no_output(*args, **kwargs) -> None:
     """Fake implementation of an out-variant op: it returns nothing and allocates nothing."""
     return None
@@ -129,6 +134,7 @@ for _op in (
     _silu_and_mul_op,
     _store_kv_op,
     _extend_attention_op,
+    _logits_summary_op,
 ):
     _op.register_fake(_no_output)
 
@@ -267,3 +273,18 @@ def extend_attention(
     torch.ops.prefill.extend_attention(*args, scale, out, lse,
                                        -1 if max_prefix_len is None else max_prefix_len)
     return (out, lse) if return_lse else out
+
+
+def summarize_logits(logits: Tensor, k: int, out: Tensor | None = None,
+                     logits_out: Tensor | None = None, use_triton: bool | None = None) -> Tensor:
+    """(B, 2 + 2k) float64 from (B, V) logits: greedy id, its logprob, top-k ids and logprobs
+    (kernels/logits_summary.py); with `logits_out` (B, V) fp32, the logits copied there too."""
+    if not _resolve(logits, use_triton):
+        return logits_summary.logits_summary_ref(logits, k, out, logits_out)
+    if out is None:
+        out = torch.empty((logits.shape[0], 2 + 2 * k), dtype=torch.float64,
+                          device=logits.device)
+    if _traced():
+        torch.ops.prefill.logits_summary(logits, k, out, logits_out)
+        return out
+    return logits_summary.logits_summary(logits, k, out, logits_out)

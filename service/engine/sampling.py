@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import ops
+
 MAX_TOP_LOGPROBS = 20
 # Prompt-logprob rows reduced per step: the fp32 log_softmax temporary stays <= 256 x vocab
 # (155 MB at a 152k vocab) however many prompt rows a forward returns.
@@ -79,17 +81,15 @@ def summary_width(vocab: int) -> int:
     return 2 + 2 * min(MAX_TOP_LOGPROBS, vocab)
 
 
-def summarize(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def summarize(logits: torch.Tensor, out: torch.Tensor | None = None,
+              logits_out: torch.Tensor | None = None) -> torch.Tensor:
     """What `LastRow` needs of each row of (B, V) logits, reduced where the logits live: a
     (B, 2 + 2k) float64 tensor (greedy id, its logprob, top-k ids, top-k logprobs; exact for ids
-    and fp32 values), into `out` if given (a full CUDA graph's fixed buffer)."""
-    lp = log_softmax(logits)  # (B, V)
-    k = min(MAX_TOP_LOGPROBS, lp.shape[-1])
-    ids = torch.argmax(logits, dim=-1, keepdim=True)  # (B, 1)
-    vals, top = torch.topk(lp, k, dim=-1)  # (B, k)
-    packed = torch.cat([ids.double(), lp.gather(-1, ids).double(), top.double(), vals.double()],
-                       dim=-1)  # (B, 2 + 2k)
-    return packed if out is None else out.copy_(packed)
+    and fp32 values), into `out` if given (a full CUDA graph's fixed buffer). Two launches on
+    CUDA (kernels/logits_summary.py), PyTorch elsewhere; `logits_out` (B, V) fp32 also gets
+    the logits, in the same pass."""
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    return ops.summarize_logits(logits, k, out, logits_out)
 
 
 def unpack(packed: torch.Tensor) -> list[LastRow]:

@@ -200,8 +200,12 @@ class LlamaModel(nn.Module):
 
     def logits_at(self, h_normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """LM head on h_normed[rows], fp32 logits (len(rows), vocab)."""
+        return self.head_at(h_normed, rows).float()
+
+    def head_at(self, h_normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """LM head on h_normed[rows], in the model's dtype (len(rows), vocab)."""
         picked = h_normed.index_select(0, rows)  # (N, hidden)
-        return torch.nn.functional.linear(picked, self.head_weight).float()
+        return torch.nn.functional.linear(picked, self.head_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: ForwardMeta, dp=None) -> torch.Tensor:

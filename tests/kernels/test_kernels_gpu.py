@@ -92,6 +92,9 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(
         torch.ops.prefill.silu_and_mul.default, (x, torch.empty(5, 48, device="cuda", dtype=BF16))
     )
+    summary = torch.empty(5, 2 + 2 * 20, dtype=torch.float64, device="cuda")
+    torch.library.opcheck(torch.ops.prefill.logits_summary.default,
+                          (x, 20, summary, torch.empty(5, 96, device="cuda")))
 
 
 def test_graph_capture_of_dense_ops_and_attention(close, attn_batch):
@@ -104,10 +107,14 @@ def test_graph_capture_of_dense_ops_and_attention(close, attn_batch):
     out_attn = batch.poisoned_out()
     args = batch.args()
 
+    logits = torch.randn(8, 128256, device="cuda", dtype=BF16)  # Llama-3's vocabulary
+    summary = torch.empty(8, 2 + 2 * 20, dtype=torch.float64, device="cuda")
+
     def step():
         ops.rms_norm(x, w, 1e-6, out=out_norm)
         ops.silu_and_mul(x, out=out_act)
         ops.extend_attention(*args, out=out_attn)
+        ops.summarize_logits(logits, 20, out=summary)
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -118,12 +125,16 @@ def test_graph_capture_of_dense_ops_and_attention(close, attn_batch):
         step()
     x.copy_(torch.randn_like(x))
     batch.q.copy_(torch.randn_like(batch.q))
+    logits.copy_(4 * torch.randn_like(logits))
     graph.replay()
     torch.cuda.synchronize()
     close(out_norm.float(), ops.rms_norm(x.float(), w.float(), 1e-6, use_triton=False), BF16, "n")
     close(out_act.float(), ops.silu_and_mul(x.float(), use_triton=False), BF16, "act")
     ref = extend_attention_ref(*batch.args(torch.float32))
     close(out_attn.float(), ref, BF16, "attention")
+    ref = ops.summarize_logits(logits, 20, use_triton=False)
+    assert torch.equal(summary[:, 0], ref[:, 0]), "greedy ids"
+    assert (summary[:, 1:] - ref[:, 1:]).abs()[:, [0] + list(range(21, 41))].max() < 2e-5
 
 
 def test_prepared_launches_relaunch_compiled_kernels_per_layer(close, attn_batch, monkeypatch):
