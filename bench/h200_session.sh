@@ -38,12 +38,11 @@ step full_tests "${T_FULL:-150}" python3 -m pytest -v -rP -m gpu -p no:cacheprov
 step breakdown "${T_BD:-120}" env OUT="$R" python3 bench/latency_breakdown.py --tokens 128,1024
 step small_attn "${T_SMALL:-90}" env OUT="$R" python3 bench/small_attention.py ${SMALL_ARGS:-}
 step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"
-step kernel_tests "${T_KT:-50}" python3 -m pytest -v -m gpu -p no:cacheprovider \
+step kernel_tests "${T_KT:-120}" python3 -m pytest -v -m gpu -p no:cacheprovider \
   tests/kernels/test_kernels_gpu.py \
   -k "batch_of_64 or table_configs or graph_capture or opcheck or prepared or sm90 or repeated"
 step fused_tests "${T_FT:-60}" python3 -m pytest -v -p no:cacheprovider \
-  tests/kernels/test_logits_summary.py tests/kernels/test_norm_linear.py tests/kernels/test_extend_attention.py -k "fused or summary or norm_linear or lowest or dispatch"
-step norm_linear "${T_NL:-150}" env OUT="$R" python3 bench/norm_linear.py ${NL_ARGS:-}
+  tests/kernels/test_logits_summary.py tests/kernels/test_extend_attention.py -k "fused or summary or lowest or dispatch"
 step attn_store "${T_AS:-60}" env OUT="$R" python3 bench/attention_store.py
 step attention "${T_ATTN:-420}" env OUT="$R" python3 bench/attention.py ${ATTN_ARGS:-}
 step capture "${T_CAP:-95}" env OUT="$R" python3 -m bench.capture --budget-s "${CAP_BUDGET:-50}"
