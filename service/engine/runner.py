@@ -207,7 +207,17 @@ class PrefillRunner:
         v.positions.copy_(batch.positions)
         if self.dp is not None:
             self._dp_inputs(n).fill(counts if counts is not None else [batch.num_tokens], n)
-        self._live = self._plan(batch, v)
+        # NOTE: the break is prepared at the first break, not here: the GPU starts on the first
+        # dense segment (embedding, norm, QKV, RoPE) while the host binds the attention launch.
+        plan: list[BreakPlan | None] = []
+
+        def live(layer: int) -> None:
+            if not plan:
+                plan.append(self._plan(batch, v))
+            if plan[0] is not None:
+                plan[0](layer)
+
+        self._live = live
         try:
             if replay:
                 self.backend.replay(n)
