@@ -3,7 +3,8 @@ logprob, and the top-k tokens with their logprobs (log_softmax of the row).
 
 Why: PyTorch needs ~20 launches for this (log_softmax, argmax, a radix top-k of several kernels,
 gather, casts, cat), ~0.1 ms of GPU time for a 128k vocabulary on the H200 even on a single row,
-at the end of every full-graph forward (service.engine.full_graph).
+at the end of every full-graph forward (service.engine.full_graph). These two take 18-24 us
+on the H200 for 1-8 rows of a 49k or 128k vocabulary (bench/results/e2e-s6 profiles).
 
 Algorithm: split-row reduction (the two-stage shape of a parallel reduction).
   1. grid (rows, chunks): each program loads CHUNK logits of one row (upcast to fp32, copied to
@@ -47,7 +48,9 @@ def _chunk_kernel(
     cand = (row * n_chunks + c) * K
     for i in range(K):
         v = tl.max(x, axis=0)
-        idx = tl.min(tl.where(x == v, offs, 2147483647), axis=0)
+        # NOTE: clamped: a NaN row matches nothing, and an id past the vocabulary must not
+        # reach the detokenizer (the row's values are NaN either way)
+        idx = tl.minimum(tl.min(tl.where(x == v, offs, 2147483647), axis=0), V - 1)
         tl.store(cand_v_ptr + cand + i, v)
         tl.store(cand_i_ptr + cand + i, idx)
         x = tl.where(offs == idx, float("-inf"), x)
@@ -56,7 +59,7 @@ def _chunk_kernel(
 @triton.jit
 def _merge_kernel(
     part_ptr, cand_v_ptr, cand_i_ptr, out_ptr,
-    n_chunks, stride_out,
+    V, n_chunks, stride_out,
     K: tl.constexpr, CHUNKS_PAD: tl.constexpr, CANDS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -73,7 +76,7 @@ def _merge_kernel(
     out = out_ptr + row * stride_out
     for i in range(K):
         best = tl.max(v, axis=0)
-        idx = tl.min(tl.where(v == best, ids, 2147483647), axis=0)
+        idx = tl.minimum(tl.min(tl.where(v == best, ids, 2147483647), axis=0), V - 1)
         if i == 0:  # the greedy token: the best id, lowest id on ties
             tl.store(out, idx.to(tl.float64))
             tl.store(out + 1, (best - lse).to(tl.float64))
@@ -109,7 +112,7 @@ def logits_summary(logits: torch.Tensor, k: int, out: torch.Tensor,
         v, logits.stride(0), logits_out.stride(0) if logits_out is not None else 0, n_chunks,
         K=k, CHUNK=chunk, WRITE_LOGITS=logits_out is not None, num_warps=8 if chunk >= 2048 else 4)
     second[(b,)](
-        part, cand_v, cand_i, out, n_chunks, out.stride(0),
+        part, cand_v, cand_i, out, v, n_chunks, out.stride(0),
         K=k, CHUNKS_PAD=triton.next_power_of_2(n_chunks),
         CANDS_PAD=triton.next_power_of_2(n_chunks * k), num_warps=4)
     return out

@@ -54,6 +54,16 @@ def test_ties_go_to_the_lowest_id(device):
     assert abs(out[1, 1] - (0 - lse[1])) < 1e-5
 
 
+def test_nan_rows_keep_ids_in_the_vocabulary(device):
+    x = torch.randn(2, 5000)
+    x[1] = float("nan")
+    out = torch.empty(2, 2 + 2 * 5, dtype=torch.float64, device=device)
+    logits_summary(x.to(device), 5, out)
+    ids = out.cpu()[:, [0, 2, 3, 4, 5, 6]]
+    assert ((ids >= 0) & (ids < 5000)).all()
+    assert torch.isfinite(out[0].cpu()).all() and torch.isnan(out[1, 1].cpu())
+
+
 def test_dispatch_picks_reference_on_cpu():
     x = torch.randn(2, 100)
     out = ops.summarize_logits(x, 3, use_triton=False)
