@@ -278,7 +278,9 @@ class PrefillRunner:
                 return lambda: plan(i)
 
             def run() -> None:
-                if self._live is not None:  # None: no live rows (an idle DP rank)
+                # NOTE: None when no batch is bound; forward_graph's handle itself skips a DP
+                # rank with no live rows
+                if self._live is not None:
                     self._live(i)
             return run
 
