@@ -76,6 +76,7 @@ class Sm90Config:
     stages: int = 3
     overlap: bool = True
     heads_first: bool = True
+    pingpong: bool = False
 
 
 # H200 (bench/results/attention-s4-h200-2026-11-29.md), causal D=128, 32q/8kv heads, TFLOP/s at
@@ -160,14 +161,29 @@ if HAS_GLUON:
         return qk
 
     @gluon.jit
-    def _overlapped(base, q, k_smem, v_smem, kv_ready, kv_empty, acc, l_i, m_i, rows, qk_scale,
-                    n_full, n_blocks, qk_layout: gl.constexpr, p_layout: gl.constexpr,
+    def _turn_wait(turn, k, CID: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait until the other consumer has issued its k-th set of wgmmas (consumer
+        0 goes first: a fresh barrier passes parity 1)."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(CID), (k & 1) ^ (1 - CID))
+
+    @gluon.jit
+    def _turn_pass(turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: this consumer's wgmmas are issued; the other may issue its own."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - CID), count=1)
+
+    @gluon.jit
+    def _overlapped(base, q, k_smem, v_smem, kv_ready, kv_empty, turn, acc, l_i, m_i, rows,
+                    qk_scale, n_full, n_blocks, qk_layout: gl.constexpr, p_layout: gl.constexpr,
                     row_o: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, CID: gl.constexpr, PINGPONG: gl.constexpr):
         """FlashAttention-3's in-warpgroup pipelining: QK^T of block j and PV of block j-1 are
         in flight together, and the softmax of block j runs while PV(j-1) is on the tensor
         cores; acc is rescaled only after PV(j-1) lands. Holds two stages at a time."""
+        _turn_wait(turn, 0, CID, PINGPONG)
         qk = _scores(0, base, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
+        _turn_pass(turn, CID, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         qk = _masked(qk, 0, rows, n_full, qk_layout, BLOCK_N)
         m_i = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
@@ -176,8 +192,10 @@ if HAS_GLUON:
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
         for j in range(1, n_blocks):
             sp = (base + j - 1) % STAGES
+            _turn_wait(turn, j, CID, PINGPONG)
             qk = _scores(j, base, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
             acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+            _turn_pass(turn, CID, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T(j) lands first
             qk = _masked(qk, j, rows, n_full, qk_layout, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
@@ -190,16 +208,18 @@ if HAS_GLUON:
             m_i = m_new
             p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
         last = (base + n_blocks - 1) % STAGES
+        _turn_wait(turn, n_blocks, CID, PINGPONG)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        _turn_pass(turn, CID, PINGPONG)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(last), count=1)
         return acc, l_i
 
     @gluon.jit
-    def _tile(o_ptr, stride_ot, q, k_smem, v_smem, kv_ready, kv_empty, qk_scale, q_start,
-              q_len, tile_row, o_col, n_blocks, base, HEAD_DIM: gl.constexpr,
+    def _tile(o_ptr, stride_ot, q, k_smem, v_smem, kv_ready, kv_empty, turn, qk_scale,
+              q_start, q_len, tile_row, o_col, n_blocks, base, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CID: gl.constexpr, OVERLAP: gl.constexpr):
+              CID: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
         """One consumer's 64 rows of one tile: every K/V block up to the diagonal, then o."""
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -216,9 +236,9 @@ if HAS_GLUON:
         m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_qk)  # finite: no inf - inf
         n_full = (row0 + 1) // BLOCK_N  # blocks whose every key is at or before row0
         if OVERLAP:
-            acc, l_i = _overlapped(base, q, k_smem, v_smem, kv_ready, kv_empty, acc, l_i, m_i,
-                                   rows, qk_scale, n_full, n_blocks, qk_layout, p_layout,
-                                   row_o, BLOCK_M, BLOCK_N, STAGES)
+            acc, l_i = _overlapped(base, q, k_smem, v_smem, kv_ready, kv_empty, turn, acc, l_i,
+                                   m_i, rows, qk_scale, n_full, n_blocks, qk_layout, p_layout,
+                                   row_o, BLOCK_M, BLOCK_N, STAGES, CID, PINGPONG)
         else:
             for j in range(0, n_full):
                 acc, l_i, m_i = _step(j, base, q, k_smem, v_smem, kv_ready, kv_empty, acc, l_i,
@@ -235,14 +255,15 @@ if HAS_GLUON:
         gl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=(r < q_len)[:, None])
 
     @gluon.jit
-    def _consumer(o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+    def _consumer(o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn,
                   qk_scale, q_start, q_len, tile_row, o_col, n_blocks,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CID: gl.constexpr, OVERLAP: gl.constexpr):
+                  STAGES: gl.constexpr, CID: gl.constexpr, OVERLAP: gl.constexpr,
+                  PINGPONG: gl.constexpr):
         mbarrier.wait(q_bar, 0)
         _tile(o_ptr, stride_ot, q_smem.slice(CID * BLOCK_M, BLOCK_M), k_smem, v_smem, kv_ready,
-              kv_empty, qk_scale, q_start, q_len, tile_row, o_col, n_blocks, 0, HEAD_DIM,
-              BLOCK_M, BLOCK_N, STAGES, CID, OVERLAP)
+              kv_empty, turn, qk_scale, q_start, q_len, tile_row, o_col, n_blocks, 0, HEAD_DIM,
+              BLOCK_M, BLOCK_N, STAGES, CID, OVERLAP, PINGPONG)
 
 
     @gluon.jit
@@ -250,7 +271,7 @@ if HAS_GLUON:
                           stride_ot, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                           HEADS_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          OVERLAP: gl.constexpr):
+                          OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
         if HEADS_FIRST:
             h = gl.program_id(0)
             pid_m = gl.program_id(1)
@@ -272,7 +293,10 @@ if HAS_GLUON:
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(q_bar, count=1)
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
             for i in gl.static_range(STAGES):
                 mbarrier.init(kv_ready.index(i), count=1)
                 mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
@@ -282,11 +306,13 @@ if HAS_GLUON:
                               kv_empty, q_start + tile_row, o_col, q_start,
                               (h // kv_group) * HEAD_DIM, n_blocks, BLOCK_N, STAGES)),
                  (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, kv_ready,
-                              kv_empty, qk_scale, q_start, q_len, tile_row, o_col, n_blocks,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 0, OVERLAP)),
+                              kv_empty, turn, qk_scale, q_start, q_len, tile_row, o_col,
+                              n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 0, OVERLAP,
+                              PINGPONG)),
                  (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, kv_ready,
-                              kv_empty, qk_scale, q_start, q_len, tile_row, o_col, n_blocks,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1, OVERLAP))],
+                              kv_empty, turn, qk_scale, q_start, q_len, tile_row, o_col,
+                              n_blocks, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1, OVERLAP,
+                              PINGPONG))],
                 [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -332,7 +358,8 @@ def prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale=None, out=None,
             _descriptor(v, c.block_n), out, cu_seqlens_q, scale / math.log(2.0), H // KVH,
             out.stride(0))
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=c.block_n, STAGES=c.stages,
-                CONSUMER_REGS=CONSUMER_REGS, OVERLAP=c.overlap, num_warps=4)
+                CONSUMER_REGS=CONSUMER_REGS, OVERLAP=c.overlap,
+                PINGPONG=c.overlap and c.pingpong, num_warps=4)
     grid = (H, n_m, B) if c.heads_first else (n_m, H, B)
     return Relauncher(_attention_kernel, grid, args, dict(meta, HEADS_FIRST=c.heads_first),
                       (3,)), out

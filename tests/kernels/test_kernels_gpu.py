@@ -272,7 +272,9 @@ def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
     ref = extend_attention_ref(*b.args(torch.float32))
     n = b.n_valid
     for cfg in (sm90.SM90_CONFIG, sm90.Sm90Config(128, 2, overlap=False, heads_first=False),
-                sm90.Sm90Config(64, 4, overlap=True, heads_first=False)):
+                sm90.Sm90Config(64, 4, overlap=True, heads_first=False),
+                sm90.Sm90Config(128, 3, overlap=True, pingpong=True),
+                sm90.Sm90Config(64, 4, overlap=True, heads_first=False, pingpong=True)):
         out = b.poisoned_out()
         res = sm90.extend_attention_sm90(b.q, b.k, b.v, b.cu_seqlens_q, b.max_q_len, out=out,
                                          config=cfg, num_tokens=n)
