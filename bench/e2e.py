@@ -4,8 +4,6 @@ One run, random weights of real shapes (bf16), same weights for every path:
   ours-graph   CUDA graphs + Triton kernels (the service's path: full graphs up to 1,024
                tokens and 8 prompts, breakable graphs above)
   ours-breakable  the same with breakable graphs only (CUDA_GRAPH_FULL_MAX_TOKENS=0)
-  ours-graph-nopdl  ours-graph with the Triton kernels launched without Programmatic Dependent
-               Launch (KERNEL_PDL=false), for an A/B in one process
   ours-eager   Triton kernels, no graphs
   ours-refattn no graphs, PyTorch reference attention (per-sequence SDPA) + Triton dense kernels
   hf-sdpa      transformers (sdpa attention), LM head on the last token only
@@ -32,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
-from kernels._triton import pdl_enabled, set_pdl  # noqa: E402
 from service.config import EngineConfig  # noqa: E402
 from service.engine.batch import SeqChunk  # noqa: E402
 from service.engine.core import EngineCore  # noqa: E402
@@ -79,14 +76,13 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True, pdl: bool = True
-               ) -> EngineConfig:
+def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True) -> EngineConfig:
     return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
                         mem_fraction_static=0.70, max_prefill_tokens=8192,
                         cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
                         page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
                         max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1,
-                        cuda_graph_full_max_tokens=1024 if full else 0, kernel_pdl=pdl)
+                        cuda_graph_full_max_tokens=1024 if full else 0)
 
 
 def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> dict:
@@ -109,10 +105,8 @@ def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
     cfg, model = loaded.cfg, loaded.model
     model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton",
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    pdl = pdl_enabled()  # the engine sets the switch from its config: restored below
-    graphs = variant in ("ours-graph", "ours-breakable", "ours-graph-nopdl")
-    engine = EngineCore(engine_cfg(graphs=graphs, full=variant != "ours-breakable",
-                                   pdl=variant != "ours-graph-nopdl"), loaded=loaded)
+    engine = EngineCore(engine_cfg(graphs=variant in ("ours-graph", "ours-breakable"),
+                                   full=variant != "ours-breakable"), loaded=loaded)
     try:
         out = _time_cases(engine, cfg, gen)
         out["_memory"] = dataclasses.asdict(engine.memory)
@@ -122,7 +116,6 @@ def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         model.attn = AttentionBackend("triton", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        set_pdl(pdl)
     return out
 
 

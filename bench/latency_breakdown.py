@@ -61,16 +61,15 @@ def gpu_ms(fn) -> float:
     return statistics.median(times)
 
 
-def one(name: str, tokens: int, pdl: bool = True) -> tuple[dict, list]:
+def one(name: str, tokens: int) -> tuple[dict, list]:
     cfg = preset(name)
     loaded = LoadedModel(random_model(cfg, "cuda", torch.bfloat16), None, cfg, Path(name), 0.0)
-    engine = EngineCore(engine_cfg(True, pdl=pdl), loaded=loaded)
+    engine = EngineCore(engine_cfg(True), loaded=loaded)
     runner, kv = engine.runner, engine.pool.cache
     ids = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
     chunks = [SeqChunk(tuple(ids), 0, tuple(engine.pool.allocator.alloc(pages_for(tokens, 16))))]
     n = runner.pad_to_bucket(tokens)
-    r = dict(model=name, tokens=tokens, pdl=pdl, bucket=n,
-             full=runner.can_use_full(chunks, tokens))
+    r = dict(model=name, tokens=tokens, bucket=n, full=runner.can_use_full(chunks, tokens))
     r["forward"] = median_ms(lambda: engine.forward(chunks))
     r["forward_nosync_host"] = median_ms(lambda: engine.forward(chunks), sync=False)
     with torch.inference_mode(), runner.on_stream():
@@ -106,22 +105,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m,llama-3.2-1b")
     ap.add_argument("--tokens", default="128")
-    ap.add_argument("--pdl", default="on", help="on, off or a list (on,off,on): one row each, "
-                    "alternating, to compare Triton launches with and without PDL")
     args = ap.parse_args()
     meta = run_meta()
     rows, tops, md = [], {}, ""
     for name in args.models.split(","):
         for t in map(int, args.tokens.split(",")):
-            for i, pdl in enumerate(p.strip() == "on" for p in args.pdl.split(",")):
-                r, top = one(name, t, pdl)
-                rows.append(r)
-                print(r, flush=True)
-                if i == 0:
-                    tops[f"{name} {t}"] = top
-                    md += (f"\n\n### {name}, {t} tokens: host-side operators of one forward "
-                           f"(profiler self CPU ms, calls; pdl {pdl})\n\n"
-                           + markdown_table(["op", "self cpu ms", "calls"], top))
+            r, top = one(name, t)
+            rows.append(r)
+            tops[f"{name} {t}"] = top
+            print(r, flush=True)
+            md += (f"\n\n### {name}, {t} tokens: host-side operators of one forward "
+                   "(profiler self CPU ms, calls)\n\n"
+                   + markdown_table(["op", "self cpu ms", "calls"], top))
     keys = [k for k in rows[0] if k not in ("model", "tokens")]
     table = markdown_table(["model", "tokens", *keys],
                            [[r["model"], r["tokens"], *[r.get(k) for k in keys]] for r in rows])

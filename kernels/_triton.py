@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = tl = _Missing()
 
 
+
 @triton.jit
 def dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """tl.dot(a, b, acc) for the kernels' matmuls (acc may be None).
@@ -53,49 +54,4 @@ def dot_flags(dtype, device_type: str) -> dict:
                 DOT_UPCAST=device_type == "cpu" and dtype == torch.bfloat16)
 
 
-# Programmatic Dependent Launch (PDL, Hopper and later). A kernel launched with the CUDA attribute
-# PROGRAMMATIC_STREAM_SERIALIZATION (Triton's `launch_pdl=True`) may have its programs scheduled
-# while the previous kernel in the stream (or captured graph) still runs, hiding the launch gap
-# between small kernels. Every kernel in kernels/ takes a `PDL` constexpr and, when it is set,
-# starts with griddepcontrol.wait (`tl.extra.cuda.gdc_wait`), which blocks until the previous
-# grid has completed and its writes are visible, then signals griddepcontrol.launch_dependents
-# so that the next kernel can get scheduled in turn.
-# NOTE: the constexpr and the launch attribute must travel together: a kernel launched early
-# without the wait would read its inputs before the previous kernel wrote them. `pdl_flags`
-# returns both or neither; the compile options carry launch_pdl into the compiled metadata that
-# the launcher reads, and the JIT's cache key (options) and launch.py's (kwargs) both see them.
-_PDL_ENABLED = True
-_PDL_CAPABLE: dict[int, bool] = {}  # CUDA device index -> compute capability >= 9.0
-# Under TRITON_INTERPRET every @triton.jit is an interpreted function (decided when the kernels
-# are defined): the interpreter cannot run the PTX of the wait and drops launch_pdl unread.
-_INTERPRETED = HAS_TRITON and not hasattr(dot, "device_caches")
-
-
-def set_pdl(enabled: bool) -> None:
-    """Turn PDL launches on or off for every kernel launched (or bound) from now on; a launch
-    bound earlier (a Relauncher, a captured graph) keeps the flags it was bound with."""
-    global _PDL_ENABLED
-    _PDL_ENABLED = bool(enabled)
-
-
-def pdl_enabled() -> bool:
-    return _PDL_ENABLED
-
-
-def pdl_flags(device) -> dict:
-    """The launch kwargs for a kernel launched on `device`: PDL=True plus launch_pdl=True on a
-    CUDA device of compute capability >= 9 while the switch is on; otherwise PDL=False alone
-    (CPU, the interpreter, older GPUs)."""
-    if not _PDL_ENABLED or _INTERPRETED or device.type != "cuda":
-        return dict(PDL=False)
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capable = _PDL_CAPABLE.get(index)
-    if capable is None:
-        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return dict(PDL=True, launch_pdl=True) if capable else dict(PDL=False)
-
-
-__all__ = ["HAS_TRITON", "dot", "dot_flags", "pdl_enabled", "pdl_flags", "set_pdl", "triton",
-           "tl"]
+__all__ = ["HAS_TRITON", "dot", "dot_flags", "triton", "tl"]

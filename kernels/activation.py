@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import pdl_flags, tl, triton
+from kernels._triton import tl, triton
 
 
 @triton.jit
@@ -21,13 +21,7 @@ def _silu_and_mul_kernel(
     stride_xt,
     stride_ot,
     BLOCK_F: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < n_cols
@@ -54,8 +48,8 @@ def silu_and_mul(
     block = min(block_f, triton.next_power_of_2(n))
     kernel = wrap(_silu_and_mul_kernel) if wrap is not None else _silu_and_mul_kernel
     kernel[(T, triton.cdiv(n, block))](
-        x, out, n, x.stride(0), out.stride(0), BLOCK_F=block, **pdl_flags(x.device),
-        num_warps=4 if block >= 512 else 1)
+        x, out, n, x.stride(0), out.stride(0), BLOCK_F=block, num_warps=4 if block >= 512 else 1
+    )
     return out
 
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from kernels import extend_attention_sm90 as sm90
 from kernels import kv_store
 from kernels._triton import dot as _dot
-from kernels._triton import dot_flags, pdl_enabled, pdl_flags, tl, triton
+from kernels._triton import dot_flags, tl, triton
 from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, pick_config
 from kernels.launch import LastLaunch, Relauncher
 
@@ -117,13 +117,7 @@ def _extend_attention_kernel(
     STORE_KV: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     CACHE_TABLE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     if HEADS_FIRST:  # grid (H, n_m, B): all heads of the longest q-blocks launch first
         h = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -316,7 +310,7 @@ def extend_attention(
                return_lse, config, max_prefix_len, num_tokens, tuple(k_cache.shape),
                k_cache.stride(0), v_cache.stride(0), k_cache.dtype, k_cache.data_ptr() % 16,
                v_cache.data_ptr() % 16,
-               None if out is None else (out.stride(0), out.data_ptr() % 16), pdl_enabled())
+               None if out is None else (out.stride(0), out.data_ptr() % 16))
         run = _LAST.lookup(key, tensors)
         if run is not None:
             out = torch.empty_like(q) if out is None else out
@@ -519,7 +513,7 @@ def _bind(q, k, v, k_cache, v_cache, cu_seqlens_q, prefix_lens, page_table, page
         **dot_flags(dtype, q.device.type),
         HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
         STORE_KV=store_slots is not None, HAS_PREFIX=has_prefix,
-        CACHE_TABLE=cache_table is not None, **pdl_flags(q.device),
+        CACHE_TABLE=cache_table is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels._triton import pdl_flags, tl, triton
+from kernels._triton import tl, triton
 from kernels.launch import Relauncher
 
 
@@ -39,13 +39,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
@@ -84,7 +78,7 @@ def prepare_store_kv(
     strides = (KVH, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
                k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     meta = dict(HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(KVH),
-                BLOCK_D=triton.next_power_of_2(D), **pdl_flags(k.device), num_warps=4)
+                BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
     kernel = Relauncher(_store_kv_kernel, (T,), (k, v, k_cache, v_cache, slot_mapping, *strides),
                         meta, (2, 3), wrap)

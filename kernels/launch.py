@@ -18,12 +18,6 @@ under a key at least as fine as Triton's own specialization (per int: 32/64-bit 
 divisible by 16; per tensor: dtype and 16-byte alignment; every constexpr by value), so a new
 batch whose arguments specialize alike reuses the launcher at once. Arguments Triton treats in
 other ways (tensor descriptors) make the key None: the JIT decides.
-
-Launch options among the kwargs (num_warps, launch_pdl) are compile options: the JIT path passes
-them on, and the key holds every kwarg by value, so a kernel compiled with PDL (its `PDL`
-constexpr and `launch_pdl`) is never reused for a launch without, or the reverse. The compiled
-launcher reads launch_pdl from the compiled metadata, so the direct calls launch with the PDL
-attribute exactly when the JIT's launch did.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import dot, dot_flags, pdl_flags, tl, triton
+from kernels._triton import dot, dot_flags, tl, triton
 
 
 @triton.jit
@@ -44,13 +44,7 @@ def _indexed_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     layer = (tl.load(layer_ptr) + LAYER_OFFSET).to(tl.int64)
@@ -123,7 +117,7 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         x, w, bias if bias is not None else w, out, layer, M, N, K, x.stride(0), w.stride(0),
         bias.stride(0) if bias is not None else 0, out.stride(0), LAYER_OFFSET=offset,
         HAS_BIAS=bias is not None, **dot_flags(x.dtype, x.device.type), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, **pdl_flags(x.device), num_warps=warps, num_stages=stages)
+        BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import pdl_flags, tl, triton
+from kernels._triton import tl, triton
 
 CHUNK = 4096
 
@@ -31,13 +31,8 @@ CHUNK = 4096
 def _chunk_kernel(
     x_ptr, logits_out_ptr, part_ptr, cand_v_ptr, cand_i_ptr,
     V, stride_x, stride_o, n_chunks,
-    K: tl.constexpr, CHUNK: tl.constexpr, WRITE_LOGITS: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, CHUNK: tl.constexpr, WRITE_LOGITS: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -65,13 +60,8 @@ def _chunk_kernel(
 def _merge_kernel(
     part_ptr, cand_v_ptr, cand_i_ptr, out_ptr,
     V, n_chunks, stride_out,
-    K: tl.constexpr, CHUNKS_PAD: tl.constexpr, CANDS_PAD: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, CHUNKS_PAD: tl.constexpr, CANDS_PAD: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cs = tl.arange(0, CHUNKS_PAD)
     part = part_ptr + (row * n_chunks + cs) * 2
@@ -115,18 +105,16 @@ def logits_summary(logits: torch.Tensor, k: int, out: torch.Tensor,
     part = torch.empty(b, n_chunks, 2, dtype=torch.float32, device=logits.device)
     cand_v = torch.empty(b, n_chunks * k, dtype=torch.float32, device=logits.device)
     cand_i = torch.empty(b, n_chunks * k, dtype=torch.int32, device=logits.device)
-    pdl = pdl_flags(logits.device)
     first = wrap(_chunk_kernel) if wrap is not None else _chunk_kernel
     second = wrap(_merge_kernel) if wrap is not None else _merge_kernel
     first[(b, n_chunks)](
         logits, logits_out if logits_out is not None else logits, part, cand_v, cand_i,
         v, logits.stride(0), logits_out.stride(0) if logits_out is not None else 0, n_chunks,
-        K=k, CHUNK=chunk, WRITE_LOGITS=logits_out is not None, **pdl,
-        num_warps=8 if chunk >= 2048 else 4)
+        K=k, CHUNK=chunk, WRITE_LOGITS=logits_out is not None, num_warps=8 if chunk >= 2048 else 4)
     second[(b,)](
         part, cand_v, cand_i, out, v, n_chunks, out.stride(0),
         K=k, CHUNKS_PAD=triton.next_power_of_2(n_chunks),
-        CANDS_PAD=triton.next_power_of_2(n_chunks * k), **pdl, num_warps=4)
+        CANDS_PAD=triton.next_power_of_2(n_chunks * k), num_warps=4)
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import pdl_flags, tl, triton
+from kernels._triton import tl, triton
 
 
 @triton.jit
@@ -34,13 +34,7 @@ def _rms_norm_kernel(
     HAS_LAYER: tl.constexpr,
     LAYER_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -90,7 +84,6 @@ def _launch(x, residual, weight, eps, out, wrap, layer=None, offset=0):
         HAS_LAYER=layer is not None,
         LAYER_OFFSET=offset,
         BLOCK_N=block,
-        **pdl_flags(x.device),
         num_warps=min(max(block // 256, 1), 16),
     )
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kernels._triton import pdl_flags, tl, triton
+from kernels._triton import tl, triton
 
 
 @triton.jit
@@ -60,13 +60,7 @@ def _apply_rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (PDL): nothing a previous kernel wrote is read before this wait
-        tl.extra.cuda.gdc_wait()
-        # safe this early: a dependent launched with PDL still waits (gdc_wait) for this whole
-        # grid to complete and flush its writes; this only lets its programs get scheduled
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -113,7 +107,6 @@ def apply_rope(
         BLOCK_HQ=triton.next_power_of_2(H),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         BLOCK_HALF=triton.next_power_of_2(D // 2),
-        **pdl_flags(q.device),
         num_warps=4,
     )
     return q, k

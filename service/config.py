@@ -66,10 +66,6 @@ class Settings(BaseSettings):
         "On Hopper GPUs, run prefix-free head_dim-128 batches of >= 1024 tokens through the "
         "warp-specialized Gluon attention kernel (kernels/extend_attention_sm90.py); false: "
         "the plain Triton kernel everywhere."))
-    kernel_pdl: bool = Field(True, description=(
-        "On Hopper and later GPUs, launch the Triton kernels with Programmatic Dependent Launch: "
-        "each may get scheduled before the previous kernel finishes and waits on the device "
-        "for its results (kernels/_triton.py); false: plain stream-ordered launches."))
     model_preset: str | None = Field(None, description=(
         "Random weights of a preset shape (e.g. smollm2-135m) with the default tokenizer, for "
         "benchmarks; overrides MODEL_PATH's weights."))
@@ -134,7 +130,6 @@ class EngineConfig:
     attention_hopper_kernel: bool = True
     cuda_graph_full_max_tokens: int = 1024
     cuda_graph_full_max_seqs: int = 8
-    kernel_pdl: bool = True
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -196,7 +191,6 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         attention_hopper_kernel=settings.attention_hopper_kernel,
         cuda_graph_full_max_tokens=settings.cuda_graph_full_max_tokens,
         cuda_graph_full_max_seqs=settings.cuda_graph_full_max_seqs,
-        kernel_pdl=settings.kernel_pdl,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,

@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton import set_pdl
 from service.config import EngineConfig
 from service.engine.batch import SeqChunk
 from service.engine.buckets import Buckets, resolve_buckets
@@ -92,8 +91,6 @@ class EngineCore:
         if cfg.dp_size > 1 and (dp_group is None or dp_group.world != cfg.dp_size):
             raise ValueError(f"DP_SIZE={cfg.dp_size} needs one process per rank joined in a "
                              "DPGroup (service.engine.dp.init_dp) passed as dp_group")
-        if cuda:  # before anything is compiled, bound or captured: those keep their flags
-            set_pdl(cfg.kernel_pdl)
         reader = memory_reader or (cuda_free_bytes(self.device) if cuda else None)
         free_before = reader() if reader is not None else 0
         loaded = loaded or load(cfg, self.device, self.dtype)
