@@ -70,7 +70,13 @@ class Sm90Config:
     streaming the next tile's K/V under the current one) measured no faster in a trial run on
     the H200 (593 vs 599 TFLOP/s at 16k, 462 vs 465 on the 64-prompt varlen batch), so it was
     not kept; nor was a compact tile list instead of the grid's empty CTAs (460 vs 464 varlen,
-    bench/results/attention-s4-compact-tiles-*)."""
+    bench/results/attention-s4-compact-tiles-*).
+
+    pingpong: FA3's warp-scheduler ordering: a consumer waits for the other's turn before it
+    issues its wgmmas and passes the turn right after, so one's softmax runs under the other's
+    tensor-core work by schedule rather than by drift (needs overlap). Measured within the
+    spread between repeats: varlen 461-470 vs 442-467 TFLOP/s, 4k 533 vs 530-556, 16k 562-605 vs
+    567-600 (bench/results/attention-pingpong-s7-*), so it stays off."""
 
     block_n: int = 128
     stages: int = 3
