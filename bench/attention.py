@@ -69,11 +69,9 @@ TRITON = "triton"  # the plain Triton kernel with its table config, wherever "ta
 # Hopper kernel at any size; AttnConfig variants the plain kernel (TMA at every size).
 VARIANTS = {
     "triton": TRITON,
-    "sm90-no-overlap": G(128, 2, overlap=False),
-    "sm90-qblocks-first": G(128, 3, overlap=True, heads_first=False),
-    "sm90-n64s4": G(64, 4, overlap=True),
-    "sm90-pingpong": G(128, 3, overlap=True, pingpong=True),
-    "sm90-pingpong-qblocks-first": G(128, 3, overlap=True, heads_first=False, pingpong=True),
+    "sm90-qblocks-first": G(heads_first=False),
+    "sm90-pingpong": G(pingpong=True),
+    "sm90-pingpong-qblocks-first": G(heads_first=False, pingpong=True),
     "m128n128w8s2-tma": A(128, 128, 8, 2, use_tma=True, tma_min_tokens=0),
 }
 

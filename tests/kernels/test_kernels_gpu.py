@@ -250,8 +250,10 @@ def _sm90_or_skip():
     return sm90
 
 
-SM90_CASES = [  # qlens, H, KVH, D: lengths 0/1/7/63/65/129/200/1000, GQA ratios 1/3/4/7
-    ([1, 7, 63, 0, 65, 200, 129, 1000], 8, 2, 128),
+SM90_CASES = [  # qlens, H, KVH, D: lengths 0/1/7/63/65/129/200/1000, GQA ratios 1/3/4/7;
+    # top tiles of 1-64 rows (consumer 1 idle) and 65-128 rows, one and many blocks (513, 1000:
+    # the ring wraps with consumer 1 idle / busy)
+    ([1, 7, 63, 0, 65, 200, 129, 1000, 513], 8, 2, 128),
     ([random.Random(5).randint(1, 300) for _ in range(40)], 8, 2, 128),
     ([1000], 4, 4, 128),
     ([300, 17, 1], 12, 4, 64),
@@ -271,10 +273,12 @@ def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
     b = attn_batch(qlens, [0] * len(qlens), 16, H, KVH, D, dtype, "cuda", pad=5)
     ref = extend_attention_ref(*b.args(torch.float32))
     n = b.n_valid
-    for cfg in (sm90.SM90_CONFIG, sm90.Sm90Config(128, 2, overlap=False, heads_first=False),
-                sm90.Sm90Config(64, 4, overlap=True, heads_first=False),
-                sm90.Sm90Config(128, 3, overlap=True, pingpong=True),
-                sm90.Sm90Config(64, 4, overlap=True, heads_first=False, pingpong=True)):
+    G = sm90.Sm90Config
+    configs = [sm90.SM90_CONFIG, G(2, heads_first=False), G(3, pingpong=True),
+               G(2, heads_first=False, pingpong=True)]
+    if D == 64:  # deeper rings fit beside a smaller Q
+        configs += [G(5), G(5, pingpong=True)]
+    for cfg in configs:
         out = b.poisoned_out()
         res = sm90.extend_attention_sm90(b.q, b.k, b.v, b.cu_seqlens_q, b.max_q_len, out=out,
                                          config=cfg, num_tokens=n)
