@@ -15,6 +15,7 @@ K/V repeated per query head outside the timing (each row says which). A few conf
 run side by side so the config tables can be picked from one run.
 
 Usage: python bench/attention.py             # one GPU, < 6 minutes on an H200
+       python bench/attention.py --cases varlen --repeats 3   # a subset, repeated in one process
        python bench/attention.py --dry-run   # tiniest cases on the CPU via Triton's interpreter
 Writes attention.json, attention.md and attention.png to $OUT (default bench/results) and prints
 the markdown last.
@@ -451,7 +452,15 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny cases, CPU interpreter")
     parser.add_argument("--small", action="store_true",
                         help="only the causal cases at S = 512 and 1k (a quick re-check)")
+    parser.add_argument("--cases", default="causal,varlen,extend",
+                        help="comma-separated subset of causal,varlen,extend")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the cases this many times in one process (rows carry 'rep')")
     args = parser.parse_args()
+    steps = {"causal": causal_cases, "varlen": varlen_case, "extend": extend_cases}
+    picked = [steps[c] for c in args.cases.split(",")]
+    if args.small:
+        picked = [causal_cases]
     cuda = torch.cuda.is_available() and not args.dry_run
     device, dtype = ("cuda" if cuda else "cpu"), torch.bfloat16
     if not cuda and not args.dry_run:
@@ -464,14 +473,20 @@ def main() -> None:
         meta["table_config_d128"] = str(pick_config(128, dtype, torch.device("cuda")))
         meta["table_config_d64"] = str(pick_config(64, dtype, torch.device("cuda")))
     rows = Rows()
-    for step in (causal_cases,) if args.small else (causal_cases, varlen_case, extend_cases):
-        try:
-            step(args, cuda, device, dtype, rows)
-        except Exception:  # keep what was measured; the traceback goes into the results
-            rows.append(dict(case=step.__name__, kernel="-", how=traceback.format_exc()[-400:]))
-            traceback.print_exc()
-        if cuda:
-            torch.cuda.empty_cache()
+    for rep in range(args.repeats):
+        first = len(rows)
+        for step in picked:
+            try:
+                step(args, cuda, device, dtype, rows)
+            except Exception:  # keep what was measured; the traceback goes into the results
+                rows.append(dict(case=step.__name__, kernel="-",
+                                 how=traceback.format_exc()[-400:]))
+                traceback.print_exc()
+            if cuda:
+                torch.cuda.empty_cache()
+        if args.repeats > 1:
+            for r in rows[first:]:
+                r["kernel"] = f"{r['kernel']} (rep {rep})"
     meta["launch_overhead_us"] = launch_overhead(cuda, device, dtype)
     header = [
         "case",
