@@ -206,21 +206,12 @@ if HAS_GLUON:
                                  acc, m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
                                  BLOCK_N, STAGES, CID, PINGPONG)
         elif n_blocks > 1:  # consumer 0: position 1 peeled, with the half-width PV in flight
-            _turn_wait(turn, 1, CID, PINGPONG)
-            qk = _scores(1, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
-            acc = warpgroup_mma(p_d, v_smem.index(0).slice(0, DIAG_N), acc, is_async=True)
-            _turn_pass(turn, CID, PINGPONG)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-            m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-            p = gl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(0), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+            acc, m_i, l_i, p_op = _advance(1, q, k_smem, v_smem.index(0).slice(0, DIAG_N),
+                                           kv_ready, kv_empty, turn, p_d, acc, m_i, l_i, qk_scale,
+                                           qk_layout, p_layout, row_o, BLOCK_M, BLOCK_N, STAGES,
+                                           CID, PINGPONG)
             acc, l_i = _pipeline(2, n_blocks, q, k_smem, v_smem, kv_ready, kv_empty, turn, p_op,
-                                 acc, m_new, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
+                                 acc, m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
                                  BLOCK_N, STAGES, CID, PINGPONG)
         else:  # consumer 0 of a sequence's first tile: the half diagonal is all there is
             _turn_wait(turn, 1, CID, PINGPONG)
@@ -231,6 +222,28 @@ if HAS_GLUON:
         return acc, l_i
 
     @gluon.jit
+    def _advance(j, q, k_smem, v_prev, kv_ready, kv_empty, turn, p_prev, acc, m_i, l_i, qk_scale,
+                 qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CID: gl.constexpr, PINGPONG: gl.constexpr):
+        """One pipelined step: QK^T of ring position j issued with PV of position j - 1 (P
+        p_prev, V v_prev: the diagonal's may be half width), the softmax of j under that PV,
+        then position j - 1 released. Returns (acc, m, l, P of j)."""
+        _turn_wait(turn, j, CID, PINGPONG)
+        qk = _scores(j, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
+        acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+        _turn_pass(turn, CID, PINGPONG)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T(j) lands first
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+        p = gl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        return acc, m_new, l_i, gl.convert_layout(p.to(v_prev.dtype), p_layout)
+
+    @gluon.jit
     def _pipeline(j0, n_blocks, q, k_smem, v_smem, kv_ready, kv_empty, turn, p_op, acc, m_i, l_i,
                   qk_scale, qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -238,21 +251,10 @@ if HAS_GLUON:
         """Ring positions j0 .. n-1 (unmasked), p_op holding position j0 - 1's P whose PV has
         not been issued yet; then that last PV. Issues n - j0 + 1 sets of wgmmas."""
         for j in range(j0, n_blocks):
-            sp = (j - 1) % STAGES
-            _turn_wait(turn, j, CID, PINGPONG)
-            qk = _scores(j, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
-            acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-            _turn_pass(turn, CID, PINGPONG)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T(j) lands first
-            m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-            p = gl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(sp), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            m_i = m_new
-            p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+            acc, m_i, l_i, p_op = _advance(j, q, k_smem, v_smem.index((j - 1) % STAGES),
+                                           kv_ready, kv_empty, turn, p_op, acc, m_i, l_i,
+                                           qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
+                                           BLOCK_N, STAGES, CID, PINGPONG)
         last = (n_blocks - 1) % STAGES
         _turn_wait(turn, n_blocks, CID, PINGPONG)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
