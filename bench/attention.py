@@ -455,7 +455,8 @@ def main() -> None:
     parser.add_argument("--cases", default="causal,varlen,extend",
                         help="comma-separated subset of causal,varlen,extend")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="run the cases this many times in one process (rows carry 'rep')")
+                        help="run the cases this many times in one process (each row gets "
+                             "'rep' and its kernel name a ' (rep N)' suffix)")
     args = parser.parse_args()
     steps = {"causal": causal_cases, "varlen": varlen_case, "extend": extend_cases}
     picked = [steps[c] for c in args.cases.split(",")]
@@ -486,7 +487,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if args.repeats > 1:
             for r in rows[first:]:
-                r["kernel"] = f"{r['kernel']} (rep {rep})"
+                r["rep"], r["kernel"] = rep, f"{r['kernel']} (rep {rep})"
     meta["launch_overhead_us"] = launch_overhead(cuda, device, dtype)
     header = [
         "case",

@@ -385,8 +385,8 @@ def prepare_sm90(q, k, v, cu_seqlens_q, max_q_len, sm_scale=None, out=None,
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
     c = config
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    n_m = -(-max_q_len // (CONSUMERS * BLOCK_M))
-    tile = CONSUMERS * BLOCK_M
+    tile = CONSUMERS * BLOCK_M  # query rows per CTA = keys per K/V block
+    n_m = -(-max_q_len // tile)
     args = (_descriptor(q, tile), _descriptor(k, tile), _descriptor(v, tile), out, cu_seqlens_q,
             scale / math.log(2.0), H // KVH, out.stride(0))
     meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=c.stages, CONSUMER_REGS=CONSUMER_REGS,
