@@ -4,6 +4,10 @@ Algorithm: elementwise, computed in fp32 and rounded once to the input dtype (vL
 Hugging Face module rounds after silu and after the product, a difference well under bf16's step).
 Shapes: x (T, 2F) with a contiguous last dim (rows may be strided) -> out (T, F). Grid
 (T, cdiv(F, BLOCK_F)): each program reads 2 * BLOCK_F and writes BLOCK_F elements, memory-bound.
+
+Folded-norm prologue (`norm_rows`): with the post-attention RMSNorm's weight folded into the
+gate/up weight, gate and up are each rstd(x) times their un-normalized value (kernels/rope.py
+says why), so each program first reads its token's row of x (the residual stream) for rstd.
 """
 
 from __future__ import annotations
@@ -11,30 +15,43 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import tl, triton
+from kernels.rms_norm import row_rstd, row_rstd_ref
 
 
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
+    norm_ptr,
     n_cols,
     stride_xt,
     stride_ot,
+    stride_nt,
+    norm_cols,
+    eps,
+    NORM: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    BLOCK_NORM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        scale = row_rstd(norm_ptr + row * stride_nt, norm_cols, eps, BLOCK_NORM)
+        gate *= scale
+        up *= scale
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(
-    x: torch.Tensor, out: torch.Tensor | None = None, *, block_f: int = 1024, wrap=None
+    x: torch.Tensor, out: torch.Tensor | None = None, *, norm_rows: torch.Tensor | None = None,
+    eps: float = 0.0, block_f: int = 1024, wrap=None
 ) -> torch.Tensor:
-    """x (T, 2F) -> silu(x[:, :F]) * x[:, F:] of shape (T, F), in x's dtype."""
+    """x (T, 2F) -> silu(x[:, :F]) * x[:, F:] of shape (T, F), in x's dtype. With `norm_rows`
+    (T, hidden): silu(s * x[:, :F]) * s * x[:, F:], s = 1/rms(norm_rows[t]) (eps inside)."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be (T, 2F), got {tuple(x.shape)}"
     assert x.stride(1) == 1, "x: last dim must be contiguous"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {x.dtype}"
@@ -43,20 +60,32 @@ def silu_and_mul(
     if out is None:
         out = torch.empty((T, n), dtype=x.dtype, device=x.device)
     assert out.shape == (T, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
+    norm = norm_rows is not None
+    if norm:
+        assert norm_rows.dim() == 2 and norm_rows.shape[0] == T and norm_rows.stride(1) == 1
+        assert triton.next_power_of_2(norm_rows.shape[1]) <= 65536, "norm rows too wide"
     if T == 0 or n == 0:
         return out
     block = min(block_f, triton.next_power_of_2(n))
     kernel = wrap(_silu_and_mul_kernel) if wrap is not None else _silu_and_mul_kernel
     kernel[(T, triton.cdiv(n, block))](
-        x, out, n, x.stride(0), out.stride(0), BLOCK_F=block, num_warps=4 if block >= 512 else 1
+        x, out, norm_rows if norm else x, n, x.stride(0), out.stride(0),
+        norm_rows.stride(0) if norm else 0, norm_rows.shape[1] if norm else 1, eps, NORM=norm,
+        BLOCK_F=block, BLOCK_NORM=triton.next_power_of_2(norm_rows.shape[1]) if norm else 1,
+        num_warps=4 if block >= 512 else 1,
     )
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None, *,
+                     norm_rows: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """PyTorch reference, fp32 math, one rounding."""
     n = x.shape[-1] // 2
-    y = (torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()).to(x.dtype)
+    g, u = x[:, :n].float(), x[:, n:].float()
+    if norm_rows is not None:
+        s = row_rstd_ref(norm_rows, eps)
+        g, u = g * s, u * s
+    y = (torch.nn.functional.silu(g) * u).to(x.dtype)
     if out is None:
         return y
     out.copy_(y)

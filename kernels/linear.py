@@ -39,6 +39,7 @@ def _indexed_linear_kernel(
     stride_om,
     LAYER_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -66,7 +67,10 @@ def _indexed_linear_kernel(
         b = tl.load(b_ptr + layer * stride_bl + rn, mask=rn < N, other=0.0)
         acc += b.to(tl.float32)[None, :]
     out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ACCUMULATE:  # out += x @ W^T: each element is read and written by this program only
+        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def pick_tiles(M: int, N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int]:
@@ -88,9 +92,11 @@ def pick_tiles(M: int, N: int, K: int, sms: int = 132) -> tuple[int, int, int, i
 
 def indexed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                    layer: torch.Tensor, offset: int = 0, out: torch.Tensor | None = None, *,
+                   accumulate: bool = False,
                    tiles: tuple[int, int, int, int, int] | None = None, wrap=None
                    ) -> torch.Tensor:
-    """x (M, K) @ w[layer + offset]^T (+ bias[layer + offset]) -> out (M, N), x's dtype."""
+    """x (M, K) @ w[layer + offset]^T (+ bias[layer + offset]) -> out (M, N), x's dtype.
+    `accumulate`: out += that instead (the sum in fp32, rounded once), like Tensor.addmm_."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be (M, K) with a contiguous last dim"
     assert w.dim() == 3 and w.is_contiguous() and w.shape[2] == x.shape[1], (
         f"w must be a contiguous (L, N, K) stack matching x's K, got {tuple(w.shape)}")
@@ -101,6 +107,7 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     if bias is not None:
         assert bias.shape == w.shape[:2] and bias.stride(1) == 1, "bias must be (L, N)"
     if out is None:
+        assert not accumulate, "accumulate needs an out"
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     assert out.shape == (M, N) and out.stride(1) == 1 and out.dtype == x.dtype, "bad out"
     if M == 0:
@@ -116,18 +123,24 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x, w, bias if bias is not None else w, out, layer, M, N, K, x.stride(0), w.stride(0),
         bias.stride(0) if bias is not None else 0, out.stride(0), LAYER_OFFSET=offset,
-        HAS_BIAS=bias is not None, **dot_flags(x.dtype, x.device.type), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, **dot_flags(x.dtype, x.device.type),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
 
 
 def indexed_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                       layer: torch.Tensor, offset: int = 0, out: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+                       layer: torch.Tensor, offset: int = 0, out: torch.Tensor | None = None,
+                       accumulate: bool = False) -> torch.Tensor:
     """PyTorch reference: the layer picked on the device (index_select: no host sync)."""
     i = layer.long() + offset
     wi = w.index_select(0, i)[0]
-    y = torch.nn.functional.linear(x, wi, None if bias is None else bias.index_select(0, i)[0])
+    b = None if bias is None else bias.index_select(0, i)[0]
+    if accumulate:
+        assert out is not None, "accumulate needs an out"
+        y = out.float() + torch.nn.functional.linear(x.float(), wi.float(),
+                                                     None if b is None else b.float())
+        return out.copy_(y)
+    y = torch.nn.functional.linear(x, wi, b)
     if out is None:
         return y
     out.copy_(y)

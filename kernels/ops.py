@@ -59,18 +59,24 @@ def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
 
 @triton_op("prefill::indexed_linear", mutates_args={"out"})
 def _indexed_linear_op(x: Tensor, w: Tensor, bias: Tensor | None, layer: Tensor, offset: int,
-                       out: Tensor) -> None:
-    linear.indexed_linear(x, w, bias, layer, offset, out, wrap=wrap_triton)
+                       out: Tensor, accumulate: bool = False) -> None:
+    linear.indexed_linear(x, w, bias, layer, offset, out, accumulate=accumulate,
+                          wrap=wrap_triton)
 
 
-@triton_op("prefill::apply_rope", mutates_args={"q", "k"})
-def _apply_rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> None:
-    rope.apply_rope(q, k, positions, cos_sin_cache, wrap=wrap_triton)
+@triton_op("prefill::apply_rope", mutates_args={"q", "k", "v"})
+def _apply_rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                   v: Tensor | None = None, norm_rows: Tensor | None = None, eps: float = 0.0,
+                   bias: Tensor | None = None, layer: Tensor | None = None,
+                   offset: int = 0) -> None:
+    rope.apply_rope(q, k, positions, cos_sin_cache, v=v, norm_rows=norm_rows, eps=eps,
+                    bias=bias, layer=layer, offset=offset, wrap=wrap_triton)
 
 
 @triton_op("prefill::silu_and_mul", mutates_args={"out"})
-def _silu_and_mul_op(x: Tensor, out: Tensor) -> None:
-    activation.silu_and_mul(x, out, wrap=wrap_triton)
+def _silu_and_mul_op(x: Tensor, out: Tensor, norm_rows: Tensor | None = None,
+                     eps: float = 0.0) -> None:
+    activation.silu_and_mul(x, out, norm_rows=norm_rows, eps=eps, wrap=wrap_triton)
 
 
 @triton_op("prefill::store_kv", mutates_args={"k_cache", "v_cache"})
@@ -174,18 +180,20 @@ def fused_add_rms_norm(
 
 def indexed_linear(
     x: Tensor, w: Tensor, bias: Tensor | None, layer: Tensor, offset: int = 0,
-    out: Tensor | None = None, use_triton: bool | None = None
+    out: Tensor | None = None, use_triton: bool | None = None, accumulate: bool = False
 ) -> Tensor:
     """x (M, K) @ w[layer[0] + offset]^T (+ bias[...]): w an (L, N, K) stack, layer int32 (1,)
-    on the device, so one captured launch serves every layer (kernels/linear.py)."""
+    on the device, so one captured launch serves every layer (kernels/linear.py).
+    `accumulate`: out += that (out required)."""
     if not _resolve(x, use_triton):
-        return linear.indexed_linear_ref(x, w, bias, layer, offset, out)
+        return linear.indexed_linear_ref(x, w, bias, layer, offset, out, accumulate)
     if out is None:
+        assert not accumulate, "accumulate needs an out"
         out = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
     if _traced():
-        torch.ops.prefill.indexed_linear(x, w, bias, layer, offset, out)
+        torch.ops.prefill.indexed_linear(x, w, bias, layer, offset, out, accumulate)
         return out
-    return linear.indexed_linear(x, w, bias, layer, offset, out)
+    return linear.indexed_linear(x, w, bias, layer, offset, out, accumulate=accumulate)
 
 
 def apply_rope(
@@ -194,26 +202,38 @@ def apply_rope(
     positions: Tensor,
     cos_sin_cache: Tensor,
     use_triton: bool | None = None,
+    *,
+    v: Tensor | None = None,
+    norm_rows: Tensor | None = None,
+    eps: float = 0.0,
+    bias: Tensor | None = None,
+    layer: Tensor | None = None,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """Neox-style RoPE on q (T, H, D) and k (T, KVH, D), in place. Returns (q, k)."""
+    """Neox-style RoPE on q (T, H, D) and k (T, KVH, D), in place. Returns (q, k).
+    With `norm_rows`: the folded-norm QKV epilogue (q, k, v scaled per token, bias added
+    first; kernels/rope.py)."""
+    kw = dict(v=v, norm_rows=norm_rows, eps=eps, bias=bias, layer=layer, offset=offset)
     if not _resolve(q, use_triton):
-        return rope.apply_rope_ref(q, k, positions, cos_sin_cache)
+        return rope.apply_rope_ref(q, k, positions, cos_sin_cache, **kw)
     if _traced():
-        torch.ops.prefill.apply_rope(q, k, positions, cos_sin_cache)
+        torch.ops.prefill.apply_rope(q, k, positions, cos_sin_cache, **kw)
         return q, k
-    return rope.apply_rope(q, k, positions, cos_sin_cache)
+    return rope.apply_rope(q, k, positions, cos_sin_cache, **kw)
 
 
-def silu_and_mul(x: Tensor, out: Tensor | None = None, use_triton: bool | None = None) -> Tensor:
-    """x (T, 2F) -> silu(x[:, :F]) * x[:, F:]."""
+def silu_and_mul(x: Tensor, out: Tensor | None = None, use_triton: bool | None = None, *,
+                 norm_rows: Tensor | None = None, eps: float = 0.0) -> Tensor:
+    """x (T, 2F) -> silu(x[:, :F]) * x[:, F:]; with `norm_rows` (T, hidden), gate and up are
+    first scaled by each row's 1/rms (the folded post-attention norm; kernels/activation.py)."""
     if not _resolve(x, use_triton):
-        return activation.silu_and_mul_ref(x, out)
+        return activation.silu_and_mul_ref(x, out, norm_rows=norm_rows, eps=eps)
     if out is None:
         out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
     if _traced():
-        torch.ops.prefill.silu_and_mul(x, out)
+        torch.ops.prefill.silu_and_mul(x, out, norm_rows, eps)
         return out
-    return activation.silu_and_mul(x, out)
+    return activation.silu_and_mul(x, out, norm_rows=norm_rows, eps=eps)
 
 
 def store_kv(

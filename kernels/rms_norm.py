@@ -19,6 +19,14 @@ from kernels._triton import tl, triton
 
 
 @triton.jit
+def row_rstd(x_ptr, n_cols, eps, BLOCK_D: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of one row, in fp32 (the RMSNorm statistic)."""
+    cols = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     r_ptr,
@@ -139,3 +147,8 @@ def fused_add_rms_norm_ref(
     residual.add_(x)
     x.copy_(rms_norm_ref(residual, weight, eps, layer=layer, offset=offset))
     return x, residual
+
+
+def row_rstd_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(T, 1) fp32: 1 / sqrt(mean(x^2) + eps) per row, the RMSNorm statistic."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

@@ -8,6 +8,12 @@ cos/sin come from a (max_pos, D) fp32 cache (cos in [:, :D/2], sin in [:, D/2:])
 Shapes: q (T, H, D), k (T, KVH, D), possibly strided views of one fused qkv buffer (last dim
 contiguous); positions (T,) int32/int64. One program per token rotates all of its q and k heads,
 so cos/sin are read once per token; math in fp32, one rounding to the input dtype.
+
+Folded-norm epilogue (`norm_rows`): when the input RMSNorm's weight is folded into the QKV
+weight, rms_norm(x) @ W^T = rstd(x) * (x @ (W * g)^T) per token, so the norm kernel can go and
+its per-token scale moves here: this kernel reads the token's un-normalized row (one more row
+read, against the norm kernel's two reads and two writes), scales q, k and v by it, adds the
+projection's bias (which must not be scaled, so the GEMM cannot add it), then rotates q and k.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 import torch
 
 from kernels._triton import tl, triton
+from kernels.rms_norm import row_rstd, row_rstd_ref
 
 
 @triton.jit
@@ -26,10 +33,16 @@ def _rotate_heads(
     stride_xh,
     cos,
     sin,
+    scale,
+    b_ptr,
+    HAS_BIAS: tl.constexpr,
+    ROTATE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    """Heads of one token in place: x <- rotate(x * scale + bias) (ROTATE) or x * scale + bias.
+    The bias row is laid out like the heads (head h at 2*HALF*h)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
@@ -37,29 +50,52 @@ def _rotate_heads(
     x1 = tl.load(ptrs, mask=mask, other=0.0)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    x1 = x1.to(tl.float32) * scale
+    x2 = x2.to(tl.float32) * scale
+    if HAS_BIAS:
+        b_ptrs = b_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        x1 += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 += tl.load(b_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+        tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    else:
+        tl.store(ptrs, x1.to(dtype), mask=mask)
+        tl.store(ptrs + HALF, x2.to(dtype), mask=mask)
 
 
 @triton.jit
 def _apply_rope_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,
     positions_ptr,
     cos_sin_ptr,
+    norm_ptr,
+    bias_ptr,
+    layer_ptr,
     n_q_heads,
     n_k_heads,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_cp,
+    stride_nt,
+    norm_cols,
+    eps,
+    stride_bl,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LAYER: tl.constexpr,
+    LAYER_OFFSET: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -67,8 +103,20 @@ def _apply_rope_kernel(
     d_mask = offs_d < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cp + offs_d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cp + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
-    _rotate_heads(q_ptr + t * stride_qt, n_q_heads, stride_qh, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * stride_kt, n_k_heads, stride_kh, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+    scale = 1.0
+    if NORM:  # the folded RMSNorm: q, k, v scaled by the norm row's rstd
+        scale = row_rstd(norm_ptr + t * stride_nt, norm_cols, eps, BLOCK_NORM)
+    if HAS_LAYER:  # bias (L, N): the row of layer[0] + LAYER_OFFSET
+        bias_ptr += (tl.load(layer_ptr) + LAYER_OFFSET).to(tl.int64) * stride_bl
+    q_size = n_q_heads * 2 * HALF
+    k_size = n_k_heads * 2 * HALF
+    _rotate_heads(q_ptr + t * stride_qt, n_q_heads, stride_qh, cos, sin, scale, bias_ptr,
+                  HAS_BIAS, True, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + t * stride_kt, n_k_heads, stride_kh, cos, sin, scale,
+                  bias_ptr + q_size, HAS_BIAS, True, HALF, BLOCK_HK, BLOCK_HALF)
+    if NORM:
+        _rotate_heads(v_ptr + t * stride_vt, n_k_heads, stride_vh, cos, sin, scale,
+                      bias_ptr + q_size + k_size, HAS_BIAS, False, HALF, BLOCK_HK, BLOCK_HALF)
 
 
 def apply_rope(
@@ -77,9 +125,20 @@ def apply_rope(
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     *,
+    v: torch.Tensor | None = None,
+    norm_rows: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    layer: torch.Tensor | None = None,
+    offset: int = 0,
     wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q (T, H, D) and k (T, KVH, D) in place by `positions`; returns (q, k)."""
+    """Rotates q (T, H, D) and k (T, KVH, D) in place by `positions`; returns (q, k).
+
+    With `norm_rows` (T, hidden): the epilogue of a QKV projection whose weight has the input
+    RMSNorm's weight folded in (service.model.llama): q, k and v (T, KVH, D) are first scaled
+    by each token's 1/rms(norm_rows[t]) (eps inside the root) and given `bias` ((H+2KVH)*D,
+    or (L, ...) with `layer`/`offset` as in kernels/rms_norm), then q and k rotated."""
     T, H, D = q.shape
     assert k.dim() == 3 and k.shape[0] == T and k.shape[2] == D, f"k shape {tuple(k.shape)}"
     assert D % 2 == 0, f"head_dim {D} must be even"
@@ -88,41 +147,80 @@ def apply_rope(
     assert positions.shape == (T,) and positions.dtype in (torch.int32, torch.int64)
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2
     assert cos_sin_cache.shape[1] == D and cos_sin_cache.stride(1) == 1, "cache must be (P, D)"
+    kvh = k.shape[1]
+    norm = norm_rows is not None
+    assert norm or (v is None and bias is None), "v and bias come with norm_rows"
+    if norm:
+        assert v is not None and v.shape == k.shape and v.stride(2) == 1, "v must be like k"
+        assert norm_rows.dim() == 2 and norm_rows.shape[0] == T and norm_rows.stride(1) == 1
+        assert triton.next_power_of_2(norm_rows.shape[1]) <= 65536, "norm rows too wide"
+    if bias is not None:
+        width = (H + 2 * kvh) * D
+        shape = (width,) if layer is None else (bias.shape[0], width)
+        assert bias.shape == shape and bias.is_contiguous(), f"bias shape {tuple(bias.shape)}"
     if T == 0:
         return q, k
     kernel = wrap(_apply_rope_kernel) if wrap is not None else _apply_rope_kernel
     kernel[(T,)](
         q,
         k,
+        v if norm else q,
         positions,
         cos_sin_cache,
+        norm_rows if norm else q,
+        bias if bias is not None else q,
+        layer if layer is not None else positions,
         H,
-        k.shape[1],
+        kvh,
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        v.stride(0) if norm else 0,
+        v.stride(1) if norm else 0,
         cos_sin_cache.stride(0),
+        norm_rows.stride(0) if norm else 0,
+        norm_rows.shape[1] if norm else 1,
+        eps,
+        bias.stride(0) if bias is not None and layer is not None else 0,
+        NORM=norm,
+        HAS_BIAS=bias is not None,
+        HAS_LAYER=bias is not None and layer is not None,
+        LAYER_OFFSET=offset,
         HALF=D // 2,
         BLOCK_HQ=triton.next_power_of_2(H),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(kvh),
         BLOCK_HALF=triton.next_power_of_2(D // 2),
+        BLOCK_NORM=triton.next_power_of_2(norm_rows.shape[1]) if norm else 1,
         num_warps=4,
     )
     return q, k
 
 
 def apply_rope_ref(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    *, v: torch.Tensor | None = None, norm_rows: torch.Tensor | None = None, eps: float = 0.0,
+    bias: torch.Tensor | None = None, layer: torch.Tensor | None = None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, like `apply_rope`; math in fp32."""
     half = q.shape[-1] // 2
     cs = cos_sin_cache[positions.long()]  # (T, D)
     cos, sin = cs[:, None, :half], cs[:, None, half:]
-    for x in (q, k):
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        x.copy_(rotated.to(x.dtype))
+    heads = [(q, True), (k, True)] if norm_rows is None else [(q, True), (k, True), (v, False)]
+    scale = 1.0 if norm_rows is None else row_rstd_ref(norm_rows, eps)[:, :, None]  # (T, 1, 1)
+    if bias is not None and layer is not None:
+        bias = bias.index_select(0, layer.long() + offset)[0]
+    at = 0
+    for x, rotate in heads:
+        y = x.float() * scale
+        if bias is not None:
+            n = x.shape[1] * x.shape[2]
+            y = y + bias[at:at + n].float().view(1, x.shape[1], x.shape[2])
+            at += n
+        if rotate:
+            x1, x2 = y[..., :half], y[..., half:]
+            y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x.copy_(y.to(x.dtype))
     return q, k
 
 

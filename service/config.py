@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     cuda_graph_full_max_seqs: int = Field(8, ge=1, le=256, description=(
         "Most prompts in a batch that replays a full graph (its attention grid covers this "
         "many sequences)."))
+    fold_norms: bool = Field(True, description=(
+        "Fold each layer's RMSNorm weights into the projections after them (two norm kernels "
+        "fewer per layer; not for float16 models or DP_SIZE > 1)."))
     page_size: int = Field(16, ge=1, le=256)
     max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted.")
     max_queue_requests: int = Field(256, ge=1, description="Prompts waiting before 429.")
@@ -130,6 +133,7 @@ class EngineConfig:
     attention_hopper_kernel: bool = True
     cuda_graph_full_max_tokens: int = 1024
     cuda_graph_full_max_seqs: int = 8
+    fold_norms: bool = True
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -191,6 +195,7 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         attention_hopper_kernel=settings.attention_hopper_kernel,
         cuda_graph_full_max_tokens=settings.cuda_graph_full_max_tokens,
         cuda_graph_full_max_seqs=settings.cuda_graph_full_max_seqs,
+        fold_norms=settings.fold_norms,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,

@@ -107,7 +107,7 @@ class EngineCore:
         self.runner = PrefillRunner(self.model, Buckets(sizes), backend, dp=dp_group,
                                     stream=self.stream,
                                     shared_max_tokens=cfg.cuda_graph_shared_max_tokens,
-                                    full=full)
+                                    full=full, fold_norms=cfg.fold_norms)
         self.forward_counts = self.runner.forward_counts
         weights = weights_nbytes(self.model)
         if reader is not None:

@@ -87,15 +87,20 @@ class PrefillRunner:
     `full`: buckets of at most `full.max_tokens` tokens also capture a full graph (attention
     inside: service.engine.full_graph) that batches of at most `full.max_seqs` sequences replay
     with one launch. Not with data parallelism.
+
+    `fold_norms`: fold the layers' norm weights into their projections (LlamaModel.fold_norms,
+    in place, eager forwards too). Ignored with data parallelism and for fp16 models.
     """
 
     def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend | None,
                  dp: DPGroup | None = None, stream: torch.cuda.Stream | None = None,
                  retain_capture_batch: bool = False, shared_max_tokens: int = 0,
-                 full: FullGraphSpec | None = None):
+                 full: FullGraphSpec | None = None, fold_norms: bool = False):
         self.model, self.cfg = model, model.cfg
         w = next(model.parameters())
         self.device, self.dtype = w.device, w.dtype
+        if fold_norms and dp is None and self.dtype != torch.float16:
+            model.fold_norms()  # two norm kernels fewer per layer (service.model.llama)
         self.buckets = buckets if backend is not None else Buckets(())
         self.backend = backend
         self.dp = dp
@@ -256,21 +261,26 @@ class PrefillRunner:
             if shared is not None:
                 counter.zero_()
             m.embed(v.input_ids, out=v.residual)
+            if m.norms_folded:  # the norm rides on RoPE: QKV reads the residual itself
+                layers[0].pre(None, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
+                return
             layers[0].input_layernorm(v.residual, out=v.hidden)
             layers[0].qkv_rope(v.hidden, v.positions, m.cos_sin, out=v.qkv)
 
         def segment(i: int) -> Callable[[], None]:
             def run() -> None:
-                layers[i].post(v.attn, v.residual, h_out=v.hidden, scratch=v.mlp_scratch, dp=dp)
+                # h: v.hidden, or None with folded norms (the residual holds the whole state)
+                h, _ = layers[i].post(v.attn, v.residual, h_out=v.hidden, scratch=v.mlp_scratch,
+                                      dp=dp)
                 if i + 1 < len(layers):
-                    layers[i + 1].pre(v.hidden, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
-                else:
-                    m.norm(v.hidden, v.residual)  # in place: hidden <- norm(hidden + residual)
+                    layers[i + 1].pre(h, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
+                else:  # hidden <- norm(hidden + residual), in place (or norm(residual))
+                    m.final_norm(h, v.residual, out=v.hidden)
             return run
 
         def middle() -> None:  # post(c) + pre(c + 1) for the layer c = counter, then c += 1
-            shared[0].post(v.attn, v.residual, h_out=v.hidden, scratch=v.mlp_scratch)
-            shared[1].pre(v.hidden, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
+            h, _ = shared[0].post(v.attn, v.residual, h_out=v.hidden, scratch=v.mlp_scratch)
+            shared[1].pre(h, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
             counter.add_(1)
 
         def brk(i: int) -> Callable[[], None]:

@@ -7,6 +7,17 @@ The dense methods take optional `out`/`scratch` buffers: the graph runner passes
 static buffers so that a captured segment allocates nothing; eager calls allocate as usual and
 run the very same kernels (so graph replay and eager agree bit for bit on the same rows, except
 where the runner's MLP runs in row chunks: smaller matmuls that the BLAS may tile differently).
+
+Folded norms (`LlamaModel.fold_norms`, the engine's default for bf16/fp32): rms_norm(x) @ W^T
+= rstd(x) * (x @ (W * g)^T) per row, so each layer's two norm weights g are multiplied into
+the QKV and gate/up weights once, and the norm kernels go. The residual stream then holds the
+whole hidden state: the o and down projections add into it in the GEMM (addmm with beta 1),
+QKV and gate/up read it un-normalized, and the per-row rstd moves into the kernels that follow
+them, RoPE and SiLU-and-mul, which read the row for it: seven kernels per layer instead of
+nine, and less memory traffic (one extra row read in each of RoPE and SiLU, and the residual
+read in two GEMM epilogues, against two norm kernels' reads and writes). `h` is None in that
+mode: the residual is the whole state. Not for fp16 (the un-normalized projections of large
+residual rows can leave fp16's range) nor with data parallelism (its MLP gathers normed rows).
 """
 
 from __future__ import annotations
@@ -37,16 +48,30 @@ class RMSNorm(nn.Module):
                                       use_triton=self.use_triton)
 
 
-def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None, *,
+           accumulate: bool = False, bias: bool = True) -> torch.Tensor:
     """`lin(x)`, optionally into `out`: the same mm/addmm F.linear runs, without an allocation.
+    `accumulate`: out += x @ W^T in the GEMM (no bias); `bias=False` leaves the bias out.
     `lin` may also be a layer-indexed stand-in (service.model.stacked.IndexedLinear)."""
     if not isinstance(lin, nn.Linear):
-        return lin(x, out)
+        return lin(x, out, accumulate=accumulate, bias=bias)
+    if accumulate:
+        assert out is not None and lin.bias is None, "accumulate into an out, without a bias"
+        return out.addmm_(x, lin.weight.t())
+    b = lin.bias if bias else None
     if out is None:
-        return lin(x)
-    if lin.bias is None:
+        return torch.nn.functional.linear(x, lin.weight, b)
+    if b is None:
         return torch.mm(x, lin.weight.t(), out=out)
-    return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
+    return torch.addmm(b, x, lin.weight.t(), out=out)
+
+
+def bias_of(lin) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(bias, layer, offset) of a projection: a plain bias with no layer, or a layer-indexed
+    stand-in's (L, N) bias stack with its device layer counter."""
+    if isinstance(lin, nn.Linear):
+        return lin.bias, None, 0
+    return lin.bias, (lin.layer if lin.bias is not None else None), lin.offset
 
 
 MLP_ROW_ALIGN = 16  # MLP row chunks are multiples of this: whole GEMM row tiles
@@ -65,8 +90,13 @@ def mlp_row_chunks(rows: int, cap: int) -> list[tuple[int, int]]:
 
 
 def swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
-           out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+           norm_eps: float | None = None) -> torch.Tensor:
     """down(silu(gate) * up); `scratch` (≤T, 2F) holds gate|up, then the activation in place.
+
+    `norm_eps` (folded norms): x is the residual stream and gate_up's weight has the norm
+    weight folded in; the activation scales by each row's rstd, and down adds into `out`,
+    which must be x itself (x <- x + mlp(norm(x))).
 
     With fewer scratch rows than x has, runs in row chunks of nearly equal size (multiples of
     MLP_ROW_ALIGN, so no chunk is a sliver with a mostly empty GEMM tile) that fit in it: the graph
@@ -74,27 +104,31 @@ def swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: boo
     the row count only, so a captured bucket replays the same loop.
     """
     rows = x.shape[0]
+    assert norm_eps is None or out is x, "a folded-norm MLP adds into the residual it reads"
     if scratch is None or scratch.shape[0] >= rows:
         return _swiglu(x, gate_up, down, use_triton, out,
-                       None if scratch is None else scratch[:rows])
+                       None if scratch is None else scratch[:rows], norm_eps)
     if out is None:
         out = x.new_empty(rows, down.out_features)
     # NOTE: the runner passes the same buffer as x and out (hidden). Chunk [lo, hi) reads
     # x[lo:hi] (all of it, in the gate_up matmul) before writing out[lo:hi], and no chunk
     # touches another's rows, so reading rows that an earlier chunk overwrote cannot happen.
     for lo, hi in mlp_row_chunks(rows, scratch.shape[0]):
-        _swiglu(x[lo:hi], gate_up, down, use_triton, out[lo:hi], scratch[: hi - lo])
+        _swiglu(x[lo:hi], gate_up, down, use_triton, out[lo:hi], scratch[: hi - lo], norm_eps)
     return out
 
 
 def _swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
-            out: torch.Tensor | None, scratch: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor | None, scratch: torch.Tensor | None,
+            norm_eps: float | None = None) -> torch.Tensor:
     gu = linear(x, gate_up, scratch)  # (T, 2F)
     f = gu.shape[1] // 2
+    folded = norm_eps is not None
     # NOTE: in place into gu's gate half (row stride 2F): each element of the gate half is read
     # by the one program that writes it, so this is safe and saves a (T, F) tensor.
-    act = ops.silu_and_mul(gu, out=gu[:, :f], use_triton=use_triton)  # (T, F), strided rows
-    return linear(act, down, out)  # (T, hidden)
+    act = ops.silu_and_mul(gu, out=gu[:, :f], use_triton=use_triton,  # (T, F), strided rows
+                           norm_rows=x if folded else None, eps=norm_eps or 0.0)
+    return linear(act, down, out, accumulate=folded)  # (T, hidden)
 
 
 class MLP(nn.Module):
@@ -107,9 +141,11 @@ class MLP(nn.Module):
         self.use_triton = False
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                scratch: torch.Tensor | None = None, dp=None) -> torch.Tensor:
+                scratch: torch.Tensor | None = None, dp=None,
+                norm_eps: float | None = None) -> torch.Tensor:
         assert dp is None, "a data-parallel forward needs the sharded MLP (service.engine.dp)"
-        return swiglu(x, self.gate_up_proj, self.down_proj, self.use_triton, out, scratch)
+        return swiglu(x, self.gate_up_proj, self.down_proj, self.use_triton, out, scratch,
+                      norm_eps)
 
 
 class DecoderLayer(nn.Module):
@@ -123,11 +159,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.use_triton = False
+        self.folded = False  # the norm weights live in qkv_proj / gate_up_proj (fold_norms)
 
-    def pre(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-            cos_sin: torch.Tensor, qkv_out: torch.Tensor | None = None
+    def fold_norms(self) -> None:
+        """Multiply the input norm's weight into qkv_proj's and the post-attention norm's into
+        gate_up_proj's input columns (in fp32, rounded once), in place; the norm modules stay
+        but are no longer run."""
+        for norm, lin in ((self.input_layernorm, self.qkv_proj),
+                          (self.post_attention_layernorm, self.mlp.gate_up_proj)):
+            w = lin.weight.data
+            w.copy_(w.float().mul_(norm.weight.data.float()[None, :]).to(w.dtype))
+        self.folded = True
+
+    def pre(self, h: torch.Tensor | None, residual: torch.Tensor | None,
+            positions: torch.Tensor, cos_sin: torch.Tensor, qkv_out: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add + norm (in place), QKV projection, RoPE. Returns (qkv, residual)."""
+        """Residual add + norm (in place), QKV projection, RoPE. Returns (qkv, residual).
+        Folded: the residual (or, first, h) is the whole state and the norm rides on RoPE."""
+        if self.folded:
+            x = residual if residual is not None else h
+            return self.qkv_rope(x, positions, cos_sin, qkv_out, norm_rows=x), x
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
@@ -136,21 +187,38 @@ class DecoderLayer(nn.Module):
         return self.qkv_rope(h, positions, cos_sin, qkv_out), residual
 
     def qkv_rope(self, h_normed: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        qkv = linear(h_normed, self.qkv_proj, out)  # (T, (H + 2KVH) * D)
+                 out: torch.Tensor | None = None, norm_rows: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """QKV projection and RoPE; with `norm_rows` (folded norms: h_normed is then the raw
+        residual) RoPE also scales q, k, v by the rows' rstd and adds the bias."""
+        folded = norm_rows is not None
+        qkv = linear(h_normed, self.qkv_proj, out, bias=not folded)  # (T, (H + 2KVH) * D)
         t, c = qkv.shape[0], self.cfg
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
-        ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton)
+        if not folded:
+            ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton)
+            return qkv
+        v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+        bias, layer, offset = bias_of(self.qkv_proj)
+        ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton, v=v,
+                       norm_rows=norm_rows, eps=c.rms_norm_eps, bias=bias, layer=layer,
+                       offset=offset)
         return qkv
 
     def post(self, attn_out: torch.Tensor, residual: torch.Tensor,
              h_out: torch.Tensor | None = None, scratch: torch.Tensor | None = None, dp=None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Output projection, residual add + norm, MLP. Returns (h, residual).
 
         With `h_out`, the projection, the norm and the MLP output all live in `h_out`.
+        Folded: both projections add into `residual` (h_out unused); returns (None, residual).
         """
+        if self.folded:
+            assert dp is None, "folded norms do not serve the data-parallel MLP"
+            linear(attn_out, self.o_proj, residual, accumulate=True)
+            self.mlp(residual, out=residual, scratch=scratch, norm_eps=self.cfg.rms_norm_eps)
+            return None, residual
         h = linear(attn_out, self.o_proj, h_out)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h, out=h_out, scratch=scratch, dp=dp), residual
@@ -170,10 +238,21 @@ class LlamaModel(nn.Module):
         self.max_positions = max_positions or cfg.max_position_embeddings
         # fp32 (max_pos, D): cos | sin, Llama-3 scaling baked in; not a parameter.
         self.register_buffer("cos_sin", self.rope_table(cfg, self.max_positions), persistent=False)
+        self.norms_folded = False
 
     @staticmethod
     def rope_table(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
         return rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def fold_norms(self) -> None:
+        """Fold every layer's two norm weights into its projections (see the module note);
+        idempotent. The weights then differ from the checkpoint's: fold after loading."""
+        if self.norms_folded:
+            return
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.fold_norms()
+        self.norms_folded = True
 
     def set_kernels(self, use_triton: bool) -> None:
         """Dense ops (norms, RoPE, SiLU-and-mul) on Triton kernels or their references."""
@@ -190,7 +269,12 @@ class LlamaModel(nn.Module):
             return self.embed_tokens(input_ids)  # (T, hidden)
         return torch.index_select(self.embed_tokens.weight, 0, input_ids, out=out)
 
-    def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def final_norm(self, h: torch.Tensor | None, residual: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(h + residual) (in place in h, `out` unused), or with h None (folded norms: the
+        residual is the whole state) norm(residual), into `out` if given."""
+        if h is None:
+            return self.norm(residual, out=out)
         h, _ = self.norm(h, residual)
         return h
 

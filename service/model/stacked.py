@@ -77,9 +77,12 @@ class IndexedLinear:
             use_triton
         self.out_features = w.shape[1]
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.indexed_linear(x, self.w, self.bias, self.layer, self.offset, out,
-                                  use_triton=self.use_triton)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *,
+                 accumulate: bool = False, bias: bool = True) -> torch.Tensor:
+        """Like service.model.llama.linear: `accumulate` adds into out, bias=False drops it."""
+        return ops.indexed_linear(x, self.w, self.bias if bias else None, self.layer,
+                                  self.offset, out, use_triton=self.use_triton,
+                                  accumulate=accumulate)
 
 
 class IndexedRMSNorm:
@@ -120,6 +123,7 @@ class IndexedLayer:
         cfg = model.cfg
         tri = model.layers[0].use_triton
         self.cfg, self.use_triton = cfg, tri
+        self.folded = model.norms_folded  # fold before building: the stack holds the weights
         self.input_layernorm = IndexedRMSNorm(stack.input_norm, cfg.rms_norm_eps, layer, offset,
                                               tri)
         self.post_attention_layernorm = IndexedRMSNorm(stack.post_norm, cfg.rms_norm_eps, layer,

@@ -30,3 +30,21 @@ def test_asserts(device):
         silu_and_mul(torch.randn(2, 7, device=device))
     with pytest.raises(AssertionError, match="contiguous"):
         silu_and_mul(torch.randn(8, 2, device=device).t())
+
+
+@pytest.mark.parametrize("T,F,D,dtype", [(5, 1536, 576, torch.bfloat16),
+                                         (3, 100, 72, torch.float32)])
+def test_silu_and_mul_folded_norm(T, F, D, dtype, device, close):
+    """With norm_rows, gate and up are scaled by each row's 1/rms first: the activation of
+    rms_norm(h) @ W_gu^T computed from h @ (W_gu * g)^T (the norm weight folded in)."""
+    eps = 1e-5
+    h = (4 * torch.randn(T, D)).to(dtype)
+    g = (1 + 0.5 * torch.randn(D)).to(dtype)
+    w = torch.randn(2 * F, D).to(dtype) / D**0.5
+    raw = (h.float() @ (w.float() * g.float()).t()).to(dtype)  # the folded GEMM's output
+    got = silu_and_mul(raw.to(device), norm_rows=h.to(device), eps=eps)
+    normed = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)
+    gu = (normed * g.double()) @ w.double().t()
+    want = torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]
+    close(got.cpu().double(), want, dtype, "folded")
+    close(silu_and_mul_ref(raw, norm_rows=h, eps=eps).double(), want, dtype, "ref")

@@ -43,3 +43,21 @@ def test_pick_tiles_fills_the_gpu_or_uses_the_narrowest_tile(M, N):
     assert 16 <= bm <= 64 and bm >= min(M, 64) and bn in (32, 64, 128)
     programs = -(-N // bn) * -(-M // bm)
     assert programs >= 132 or bn == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexed_linear_accumulates_into_out(dtype, device, close):
+    """accumulate=True is out += x @ W[layer]^T (the residual add of a folded-norm layer)."""
+    M, N, K, L = 17, 48, 40, 3
+    x = torch.randn(M, K).to(dtype)
+    w = torch.randn(L, N, K).to(dtype) / K**0.5
+    base = torch.randn(M, N).to(dtype)
+    idx = torch.tensor([1], dtype=torch.int32)
+    out = base.to(device, copy=True)
+    got = indexed_linear(x.to(device), w.to(device), None, idx.to(device), 1, out,
+                         accumulate=True)
+    assert got.data_ptr() == out.data_ptr()
+    want = base.float() + x.float() @ w[2].float().t()
+    close(got.cpu().float(), want, dtype, "accumulate")
+    close(indexed_linear_ref(x, w, None, idx, 1, base.clone(), accumulate=True).float(), want,
+          dtype, "reference")

@@ -52,6 +52,53 @@ def test_apply_rope_fused_views(T, H, KVH, D, dtype, pos_dtype, device, close):
         close(ref_q.double(), torch.cat([z.real, z.imag], -1), dtype, "complex rotation")
 
 
+@pytest.mark.parametrize("layered", [False, True])
+@pytest.mark.parametrize("T,H,KVH,D,hidden,dtype,bias", [
+    (7, 9, 3, 64, 576, torch.bfloat16, False),
+    (5, 6, 2, 80, 100, torch.float32, True),
+])
+def test_apply_rope_folded_norm(T, H, KVH, D, hidden, dtype, bias, layered, device, close):
+    """norm_rows: q, k, v scaled by each token's 1/rms of the residual row, bias added, then q
+    and k rotated: the QKV of rms_norm(h) * g computed from h @ (W * g)^T."""
+    eps = 1e-6
+    cache = rope_cos_sin_cache(D, 512, 10000.0)
+    width = (H + 2 * KVH) * D
+    h = (3 * torch.randn(T, hidden)).to(dtype)
+    g = (1 + 0.5 * torch.randn(hidden)).to(dtype)
+    w = torch.randn(width, hidden).to(dtype) / hidden**0.5
+    L = 3
+    b = torch.randn(L, width).to(dtype) if bias else None
+    layer = torch.tensor([1], dtype=torch.int32)
+    b_used = b[2] if bias else None
+    positions = torch.randint(0, 512, (T,))
+    raw = (h.float() @ (w.float() * g.float()).t()).to(dtype)
+    # the unfolded chain in float64: norm, projection (+ bias), rotation of q and k
+    normed = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)
+    qkv = (normed * g.double()) @ w.double().t()
+    if bias:
+        qkv = qkv + b_used.double()
+    want = qkv.clone()
+    apply_rope_ref(want[:, :H * D].view(T, H, D), want[:, H * D:(H + KVH) * D].view(T, KVH, D),
+                   positions, cache)
+
+    def views(x):
+        return (x[:, :H * D].view(T, H, D), x[:, H * D:(H + KVH) * D].view(T, KVH, D),
+                x[:, (H + KVH) * D:].view(T, KVH, D))
+
+    kw = dict(eps=eps)
+    if bias:
+        kw.update(bias=b, layer=layer, offset=1) if layered else kw.update(bias=b_used)
+    dev = raw.to(device, copy=True)
+    q, k, v = views(dev)
+    kd = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    apply_rope(q, k, positions.to(device), cache.to(device), v=v, norm_rows=h.to(device), **kd)
+    close(dev.cpu().double(), want, dtype, "folded qkv")
+    ref = raw.clone()
+    rq, rk, rv = views(ref)
+    apply_rope_ref(rq, rk, positions, cache, v=rv, norm_rows=h, **kw)
+    close(ref.double(), want, dtype, "ref")
+
+
 def _hf_llama3_inv_freq(dim, base, s):
     """transformers' _compute_llama3_parameters, transcribed step by step."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

@@ -1,0 +1,162 @@
+"""Folded norms (LlamaModel.fold_norms): the same forward as the unfolded model, eagerly, on the
+Triton kernels (CPU: the interpreter), and through the graph runner's breakable, shared-middle
+and full graphs, whose segments then add into the residual and run no norm kernel but the
+final one."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from service.engine.batch import build_batch
+from service.engine.buckets import Buckets
+from service.engine.dp import DPGroup
+from service.engine.graph import SegmentBackend
+from service.engine.kv_pool import KVPool
+from service.engine.runner import FullGraphSpec, PrefillRunner
+from service.model.llama import swiglu
+from service.model.loader import random_model
+from tests.engine.helpers import PAGE, chunk, prompts, tiny_cfg
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def spread_model(arch: str = "llama", dtype=torch.float32, layers: int = 3, seed: int = 5,
+                 attn: str = "torch"):
+    """A tiny model whose norm weights are far from 1, so a fold that skipped or misplaced
+    them shows (random_model draws them near 1)."""
+    cfg = tiny_cfg(arch=arch, qkv_bias=arch == "qwen2", num_layers=layers)
+    m = random_model(cfg, "cpu", torch.float32, attn_backend=attn, seed=seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.3, 2.0)
+    return m.to(dtype)
+
+
+def forward(model, chunks_of, lengths, seed=2):
+    pool = KVPool(model.cfg, 256, PAGE, next(model.parameters()).dtype, "cpu")
+    chunks = [chunk(pool, p) for p in prompts(model.cfg.vocab_size, lengths, seed)]
+    b = build_batch(chunks, pool.cache, "cpu")
+    with torch.inference_mode():
+        return chunks_of(model, chunks, pool, b), pool
+
+
+def eager(model, chunks, pool, b):
+    return model(b.input_ids, b.positions, b.meta)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_folded_forward_matches_the_unfolded_one(arch):
+    model = spread_model(arch)
+    want, want_pool = forward(model, eager, [7, 3])
+    folded = copy.deepcopy(model)
+    folded.fold_norms()
+    assert folded.norms_folded and all(layer.folded for layer in folded.layers)
+    lay, ref = folded.layers[1], model.layers[1]
+    assert not torch.equal(lay.qkv_proj.weight, ref.qkv_proj.weight)
+    torch.testing.assert_close(lay.qkv_proj.weight,
+                               ref.qkv_proj.weight * ref.input_layernorm.weight, atol=0,
+                               rtol=1e-6)
+    got, pool = forward(folded, eager, [7, 3])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for a, b in zip(pool.cache.k + pool.cache.v, want_pool.cache.k + want_pool.cache.v):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # the same KV, bias included
+    before = [p.clone() for p in folded.parameters()]
+    folded.fold_norms()  # idempotent
+    assert all(torch.equal(a, b) for a, b in zip(before, folded.parameters()))
+
+
+def test_folded_bf16_stays_within_rounding():
+    model = spread_model("qwen2", dtype=torch.bfloat16)
+    want, _ = forward(model, eager, [9])
+    folded = copy.deepcopy(model)
+    folded.fold_norms()
+    got, _ = forward(folded, eager, [9])
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 2e-2, err
+
+
+def test_folded_swiglu_adds_into_its_input_in_chunks():
+    """The runner's MLP scratch holds fewer rows than the batch: each chunk reads its rows
+    (gate/up and the rstd) before down adds into them."""
+    torch.manual_seed(0)
+    d, f, eps = 24, 40, 1e-5
+    g = torch.rand(d) + 0.5
+    gate_up = torch.nn.Linear(d, 2 * f, bias=False)
+    down = torch.nn.Linear(f, d, bias=False)
+    x = 3 * torch.randn(37, d)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+    with torch.inference_mode():
+        want = x + swiglu(normed, gate_up, down, use_triton=False)
+        gate_up.weight.mul_(g)
+        h = x.clone()
+        got = swiglu(h, gate_up, down, use_triton=False, out=h,
+                     scratch=torch.full((16, 2 * f), float("nan")), norm_eps=eps)
+    assert got.data_ptr() == h.data_ptr()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def graphed(shared: int, full: int, attn: str = "torch", triton: bool = False):
+    def run(model, chunks, pool, b):
+        if triton:
+            model.set_kernels(True)
+        runner = PrefillRunner(model, Buckets((8, 16, 32)), SegmentBackend(),
+                               shared_max_tokens=shared, fold_norms=True,
+                               full=FullGraphSpec(full, 3, 40) if full else None)
+        runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
+        logits, _, mode = runner.prefill(chunks, pool.cache)
+        assert mode == "graph" and model.norms_folded
+        return logits, runner.full_forwards
+    return run
+
+
+@pytest.mark.parametrize("shared, full", [(0, 0), (32, 0), (0, 32)],
+                         ids=["breakable", "shared-middle", "full"])
+def test_runner_folds_and_its_graphs_match_the_unfolded_model(shared, full):
+    model = spread_model("qwen2", layers=4)
+    want, _ = forward(model, eager, [6, 5])
+    (got, fulls), _ = forward(copy.deepcopy(model), graphed(shared, full), [6, 5])
+    assert fulls == (1 if full else 0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU check through Triton's interpreter")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_folded_triton_kernels_match_the_unfolded_reference():
+    """RoPE's and SiLU's folded-norm paths and the indexed GEMM's accumulate, in the shared
+    middle segment (layer-indexed QKV bias), on the Triton kernels."""
+    model = spread_model("qwen2", layers=4)
+    want, _ = forward(model, eager, [6, 5])
+    tri = copy.deepcopy(model)
+    tri.attn = type(model.attn)("triton", model.cfg.num_heads, model.cfg.num_kv_heads,
+                                model.cfg.head_dim)
+    (got, _), _ = forward(tri, graphed(32, 0, triton=True), [6, 5])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_fold_is_skipped_for_fp16_and_data_parallel():
+    half = spread_model(dtype=torch.float16)
+    PrefillRunner(half, Buckets(()), None, fold_norms=True)
+    assert not half.norms_folded
+    dp = spread_model()
+    PrefillRunner(dp, Buckets(()), None, dp=DPGroup(), fold_norms=True)
+    assert not dp.norms_folded
+    plain = spread_model()
+    PrefillRunner(plain, Buckets(()), None)
+    assert not plain.norms_folded  # off unless asked (the engine asks: FOLD_NORMS)
+
+
+def test_fold_norms_setting_reaches_the_engine():
+    from service.config import load_settings, resolve
+    from service.engine.core import EngineCore
+    from tests.engine.helpers import engine_cfg, tiny_loaded
+
+    assert resolve(load_settings({}), False)[0].fold_norms
+    assert not resolve(load_settings({"FOLD_NORMS": "false"}), False)[0].fold_norms
+    on = EngineCore(engine_cfg(), loaded=tiny_loaded())
+    off = EngineCore(engine_cfg(fold_norms=False), loaded=tiny_loaded())
+    assert on.model.norms_folded and not off.model.norms_folded
