@@ -4,6 +4,8 @@ One run, random weights of real shapes (bf16), same weights for every path:
   ours-graph   CUDA graphs + Triton kernels (the service's path: full graphs up to 1,024
                tokens and 8 prompts, breakable graphs above)
   ours-breakable  the same with breakable graphs only (CUDA_GRAPH_FULL_MAX_TOKENS=0)
+  ours-graph-unfolded  ours-graph with FOLD_NORMS=false (the norm kernels kept; run on a copy
+               of the weights taken before any variant folds them)
   ours-eager   Triton kernels, no graphs
   ours-refattn no graphs, PyTorch reference attention (per-sequence SDPA) + Triton dense kernels
   hf-sdpa      transformers (sdpa attention), LM head on the last token only
@@ -18,6 +20,7 @@ Writes e2e.json / e2e.md / e2e_tokens.png / e2e_mfu.png to $OUT (default bench/r
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import statistics
@@ -76,13 +79,14 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True) -> EngineConfig:
+def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True,
+               fold: bool = True) -> EngineConfig:
     return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
                         mem_fraction_static=0.70, max_prefill_tokens=8192,
                         cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
                         page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
                         max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1,
-                        cuda_graph_full_max_tokens=1024 if full else 0)
+                        cuda_graph_full_max_tokens=1024 if full else 0, fold_norms=fold)
 
 
 def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> dict:
@@ -105,8 +109,11 @@ def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
     cfg, model = loaded.cfg, loaded.model
     model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton",
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    engine = EngineCore(engine_cfg(graphs=variant in ("ours-graph", "ours-breakable"),
-                                   full=variant != "ours-breakable"), loaded=loaded)
+    unfolded = variant == "ours-graph-unfolded"
+    assert not (unfolded and model.norms_folded), "the unfolded variant needs unfolded weights"
+    engine = EngineCore(engine_cfg(graphs=variant.startswith(("ours-graph", "ours-breakable")),
+                                   full=variant != "ours-breakable", fold=not unfolded),
+                        loaded=loaded)
     try:
         out = _time_cases(engine, cfg, gen)
         out["_memory"] = dataclasses.asdict(engine.memory)
@@ -202,10 +209,15 @@ def main() -> None:
         if hf is not None:
             load_hf_state(model, hf.state_dict(), f"hf:{name}")  # the same weights
         loaded = LoadedModel(model, None, cfg, Path(name), 0.0)
+        unfolded = (dataclasses.replace(loaded, model=copy.deepcopy(model))
+                    if "ours-graph-unfolded" in variants else None)  # before any fold
         per = {}
         for v in variants:
             t0 = time.perf_counter()
-            per[v] = run_hf(hf, cfg, gen) if v == "hf-sdpa" else run_ours(loaded, v, gen)
+            if v == "hf-sdpa":
+                per[v] = run_hf(hf, cfg, gen)
+            else:
+                per[v] = run_ours(unfolded if v == "ours-graph-unfolded" else loaded, v, gen)
             print(f"{name} {v}: {per[v]} ({time.perf_counter() - t0:.0f}s)", flush=True)
         if args.profile and name in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"):
             engine = EngineCore(engine_cfg(True), loaded=loaded)
@@ -229,7 +241,7 @@ def main() -> None:
                               mode=per[v][key]["mode"])
             results["rows"].append(row)
         results.setdefault("memory", {})[name] = per.get("ours-graph", {}).get("_memory")
-        del hf, model, loaded
+        del hf, model, loaded, unfolded
         gc.collect()
         torch.cuda.empty_cache()
 

@@ -8,6 +8,7 @@ tests/engine/test_graph_gpu.py::test_engine_core_sizes_kv_after_capture.)
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -30,17 +31,43 @@ BF16 = torch.bfloat16
 FULL = FullGraphSpec(1024, 8, 2048)
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "llama-3.2-1b"])
+@pytest.fixture(scope="module", params=[("smollm2-135m", False), ("llama-3.2-1b", False),
+                                        ("smollm2-135m", True), ("qwen2.5-0.5b", True)],
+                ids=["smollm2", "llama-1b", "smollm2-folded", "qwen-folded"])
 def runner(request):
-    cfg = preset(request.param, num_layers=3)
+    name, fold = request.param
+    cfg = preset(name, num_layers=3)
     model = random_model(cfg, "cuda", BF16, seed=0)
+    unfolded = copy.deepcopy(model) if fold else None
     stream = torch.cuda.Stream()
     r = PrefillRunner(model, Buckets(default_ladder(2048)), CudaGraphBackend(stream),
-                      stream=stream, shared_max_tokens=32, full=FULL)
+                      stream=stream, shared_max_tokens=32, full=FULL, fold_norms=fold)
+    assert model.norms_folded == fold
     with torch.inference_mode():
         r.capture(KVPool(cfg, PAGE, PAGE, BF16, "cuda").cache)
+    r.unfolded = unfolded  # the same weights before the fold, for the folded runners
     yield r
     r.close()
+
+
+def test_folded_graphs_match_the_unfolded_model(runner):
+    """Full (<= 1,024 tokens), breakable and shared-middle (<= 32) graphs of a folded model
+    against the unfolded model's eager forward: the fold changes only roundings."""
+    if runner.unfolded is None:
+        pytest.skip("an unfolded runner")
+    pool = KVPool(runner.cfg, 8192, PAGE, BF16, "cuda")
+    for lengths in ([20], [300, 200], [1500, 400]):  # shared + full, full, breakable (2048)
+        chunks = [chunk(pool, p) for p in prompts(runner.cfg.vocab_size, lengths, seed=3)]
+        with torch.inference_mode():
+            got, _, mode = runner.prefill(chunks, pool.cache)
+            got = got.clone()
+            b = build_batch(chunks, pool.cache, "cuda")
+            want = runner.unfolded(b.input_ids, b.positions, b.meta)
+        torch.cuda.synchronize()
+        assert mode == "graph" and torch.isfinite(got).all()
+        assert relerr(got, want) <= 3e-2, (lengths, relerr(got, want))
+        for c in chunks:
+            pool.allocator.free(list(c.pages))
 
 
 def kv_rows(pool, chunks):
