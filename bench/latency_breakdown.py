@@ -4,9 +4,11 @@ For each model and prompt length: the median wall time of `EngineCore.forward` (
 reports), then each stage alone with a device sync around it: building the batch on the host,
 loading it into the full graph's buffers, the graph launch (host) and its GPU time (CUDA
 events), the LM head, the last-row reductions and their copy to the host. Plus the torch
-profiler's top host-side operators of one forward.
+profiler's top host-side operators of one forward and, for a full graph, its top kernels by
+GPU time. `--fold on,off,...`: FOLD_NORMS per run, interleaved (an A/B on the same weights).
 
 Usage: python bench/latency_breakdown.py [--models smollm2-135m,llama-3.2-1b] [--tokens 128]
+       [--fold on,off]
 Writes latency_breakdown.{json,md} to $OUT (default bench/results).
 """
 
@@ -61,15 +63,17 @@ def gpu_ms(fn) -> float:
     return statistics.median(times)
 
 
-def one(name: str, tokens: int) -> tuple[dict, list]:
+def one(name: str, tokens: int, fold: bool = True) -> tuple[dict, list, list]:
     cfg = preset(name)
     loaded = LoadedModel(random_model(cfg, "cuda", torch.bfloat16), None, cfg, Path(name), 0.0)
-    engine = EngineCore(engine_cfg(True), loaded=loaded)
+    engine = EngineCore(engine_cfg(True, fold=fold), loaded=loaded)
     runner, kv = engine.runner, engine.pool.cache
     ids = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
     chunks = [SeqChunk(tuple(ids), 0, tuple(engine.pool.allocator.alloc(pages_for(tokens, 16))))]
     n = runner.pad_to_bucket(tokens)
-    r = dict(model=name, tokens=tokens, bucket=n, full=runner.can_use_full(chunks, tokens))
+    r = dict(model=name, tokens=tokens, fold=fold, bucket=n,
+             full=runner.can_use_full(chunks, tokens))
+    kernels: list = []
     r["forward"] = median_ms(lambda: engine.forward(chunks))
     r["forward_nosync_host"] = median_ms(lambda: engine.forward(chunks), sync=False)
     with torch.inference_mode(), runner.on_stream():
@@ -88,6 +92,9 @@ def one(name: str, tokens: int) -> tuple[dict, list]:
                 lambda: last_rows(logits.index_select(0, batch.last_rows)))
             r["last_rows_gpu"] = gpu_ms(
                 lambda: last_rows(logits.index_select(0, batch.last_rows)))
+            kernels = graph_kernels(lambda: runner.backend.replay(key))
+            r["graph_kernels_ms"] = sum(k[1] for k in kernels)
+            r["graph_launches"] = sum(k[2] for k in kernels)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -98,29 +105,54 @@ def one(name: str, tokens: int) -> tuple[dict, list]:
     engine.close()
 
     torch.cuda.empty_cache()
-    return r, top
+    return r, top, kernels
+
+
+def graph_kernels(fn, reps: int = 10) -> list:
+    """[name, GPU ms, launches] per kernel of one fn() (the mean of `reps` runs), by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [[e.key[:70], e.device_time_total / reps / 1e3, e.count // reps]
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda x: -x[1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m,llama-3.2-1b")
     ap.add_argument("--tokens", default="128")
+    ap.add_argument("--fold", default="on")
     args = ap.parse_args()
     meta = run_meta()
-    rows, tops, md = [], {}, ""
+    rows, tops, graphs, md = [], {}, {}, ""
     for name in args.models.split(","):
         for t in map(int, args.tokens.split(",")):
-            r, top = one(name, t)
-            rows.append(r)
-            tops[f"{name} {t}"] = top
-            print(r, flush=True)
-            md += (f"\n\n### {name}, {t} tokens: host-side operators of one forward "
-                   "(profiler self CPU ms, calls)\n\n"
-                   + markdown_table(["op", "self cpu ms", "calls"], top))
+            for i, fold in enumerate(f == "on" for f in args.fold.split(",")):
+                r, top, kernels = one(name, t, fold)
+                rows.append(r)
+                label = f"{name} {t} fold={fold}"
+                tops[label], graphs[label] = top, kernels
+                print(r, flush=True)
+                if i >= 2:  # one table per variant: the first round's
+                    continue
+                md += (f"\n\n### {label}: host-side operators of one forward "
+                       "(profiler self CPU ms, calls)\n\n"
+                       + markdown_table(["op", "self cpu ms", "calls"], top))
+                if kernels:
+                    md += (f"\n\n### {label}: the full graph's kernels (GPU ms, launches)"
+                           "\n\n" + markdown_table(["kernel", "gpu ms", "launches"],
+                                                   kernels[:14]))
     keys = [k for k in rows[0] if k not in ("model", "tokens")]
     table = markdown_table(["model", "tokens", *keys],
                            [[r["model"], r["tokens"], *[r.get(k) for k in keys]] for r in rows])
-    write_results(out_dir(), "latency_breakdown", meta, {"rows": rows, "top": tops},
+    write_results(out_dir(), "latency_breakdown", meta,
+                  {"rows": rows, "top": tops, "graph_kernels": graphs},
                   "All times in ms (medians).\n\n" + table + md)
     print(table + md)
 
