@@ -261,7 +261,7 @@ class PrefillRunner:
             if shared is not None:
                 counter.zero_()
             m.embed(v.input_ids, out=v.residual)
-            if m.norms_folded:  # the norm rides on RoPE: QKV reads the residual itself
+            if m.fuses_norm(v.n):  # the norm rides on RoPE: QKV reads the residual itself
                 layers[0].pre(None, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
                 return
             layers[0].input_layernorm(v.residual, out=v.hidden)
@@ -269,7 +269,7 @@ class PrefillRunner:
 
         def segment(i: int) -> Callable[[], None]:
             def run() -> None:
-                # h: v.hidden, or None with folded norms (the residual holds the whole state)
+                # h: v.hidden, or None without norm kernels (the residual holds the whole state)
                 h, _ = layers[i].post(v.attn, v.residual, h_out=v.hidden, scratch=v.mlp_scratch,
                                       dp=dp)
                 if i + 1 < len(layers):

@@ -10,14 +10,15 @@ where the runner's MLP runs in row chunks: smaller matmuls that the BLAS may til
 
 Folded norms (`LlamaModel.fold_norms`, the engine's default for bf16/fp32): rms_norm(x) @ W^T
 = rstd(x) * (x @ (W * g)^T) per row, so each layer's two norm weights g are multiplied into
-the QKV and gate/up weights once, and the norm kernels go. The residual stream then holds the
-whole hidden state: the o and down projections add into it in the GEMM (addmm with beta 1),
-QKV and gate/up read it un-normalized, and the per-row rstd moves into the kernels that follow
-them, RoPE and SiLU-and-mul, which read the row for it: seven kernels per layer instead of
-nine, and less memory traffic (one extra row read in each of RoPE and SiLU, and the residual
-read in two GEMM epilogues, against two norm kernels' reads and writes). `h` is None in that
-mode: the residual is the whole state. Not for fp16 (the un-normalized projections of large
-residual rows can leave fp16's range) nor with data parallelism (its MLP gathers normed rows).
+the QKV and gate/up weights once (the norms keep unit weights). Batches whose residual stream
+is small (`fuses_norm`) then drop the norm kernels: the residual holds the whole hidden state,
+the o and down projections add into it in the GEMM (addmm with beta 1), QKV and gate/up read
+it un-normalized, and the per-row rstd moves into the kernels after them, RoPE and
+SiLU-and-mul, which read the row for it: seven kernels per layer instead of nine. `h` is None
+in that structure (the residual is the whole state). Larger batches keep the norm kernels
+(with unit weights: the same math): there the beta-1 GEMMs and the extra row reads cost more
+than the norms they replace. Not for fp16 (the un-normalized projections of large residual
+rows can leave fp16's range) nor with data parallelism (its MLP gathers normed rows).
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def bias_of(lin) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         return lin.bias, None, 0
     return lin.bias, (lin.layer if lin.bias is not None else None), lin.offset
 
+
+# Largest residual stream (rows x hidden elements, 12 MiB in bf16) whose batches run without
+# norm kernels once the norms are folded. Interleaved A/B on the H200 (bench/fold_ab.py,
+# bench/results/fold-ab-s9-*): SmolLM2-135M (576 wide) gained 2.5-10 % at 128 to 8,192 rows;
+# Llama-3.2-1B (2,048 wide) gained 4 % at 128 rows, broke even at 1,024 and lost 2-3.5 % at
+# 8,192, where its beta-1 GEMMs ran ~10 % slower than plain ones.
+FUSED_NORM_MAX_ELEMS = 6 << 20
 
 MLP_ROW_ALIGN = 16  # MLP row chunks are multiples of this: whole GEMM row tiles
 
@@ -169,14 +177,21 @@ class DecoderLayer(nn.Module):
                           (self.post_attention_layernorm, self.mlp.gate_up_proj)):
             w = lin.weight.data
             w.copy_(w.float().mul_(norm.weight.data.float()[None, :]).to(w.dtype))
+            norm.weight.data.fill_(1.0)  # the norm kernels, where they still run, only scale
         self.folded = True
+
+    def fuses_norm(self, rows: int) -> bool:
+        """Whether a batch of `rows` runs this layer without norm kernels (folded weights and a
+        residual of at most FUSED_NORM_MAX_ELEMS)."""
+        return self.folded and rows * self.cfg.hidden_size <= FUSED_NORM_MAX_ELEMS
 
     def pre(self, h: torch.Tensor | None, residual: torch.Tensor | None,
             positions: torch.Tensor, cos_sin: torch.Tensor, qkv_out: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add + norm (in place), QKV projection, RoPE. Returns (qkv, residual).
         Folded: the residual (or, first, h) is the whole state and the norm rides on RoPE."""
-        if self.folded:
+        if self.fuses_norm((residual if residual is not None else h).shape[0]):
+            assert h is None or residual is None, "without norm kernels h is folded in already"
             x = residual if residual is not None else h
             return self.qkv_rope(x, positions, cos_sin, qkv_out, norm_rows=x), x
         if residual is None:
@@ -214,7 +229,7 @@ class DecoderLayer(nn.Module):
         With `h_out`, the projection, the norm and the MLP output all live in `h_out`.
         Folded: both projections add into `residual` (h_out unused); returns (None, residual).
         """
-        if self.folded:
+        if self.fuses_norm(residual.shape[0]):
             assert dp is None, "folded norms do not serve the data-parallel MLP"
             linear(attn_out, self.o_proj, residual, accumulate=True)
             self.mlp(residual, out=residual, scratch=scratch, norm_eps=self.cfg.rms_norm_eps)
@@ -253,6 +268,10 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 layer.fold_norms()
         self.norms_folded = True
+
+    def fuses_norm(self, rows: int) -> bool:
+        """Whether a batch of `rows` runs without norm kernels (DecoderLayer.fuses_norm)."""
+        return len(self.layers) > 0 and self.layers[0].fuses_norm(rows)
 
     def set_kernels(self, use_triton: bool) -> None:
         """Dense ops (norms, RoPE, SiLU-and-mul) on Triton kernels or their references."""

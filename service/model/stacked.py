@@ -118,6 +118,7 @@ class IndexedLayer:
     pre = DecoderLayer.pre
     qkv_rope = DecoderLayer.qkv_rope
     post = DecoderLayer.post
+    fuses_norm = DecoderLayer.fuses_norm
 
     def __init__(self, model: LlamaModel, stack: LayerStack, layer: torch.Tensor, offset: int):
         cfg = model.cfg

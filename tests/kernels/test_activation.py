@@ -32,9 +32,12 @@ def test_asserts(device):
         silu_and_mul(torch.randn(8, 2, device=device).t())
 
 
-@pytest.mark.parametrize("T,F,D,dtype", [(5, 1536, 576, torch.bfloat16),
-                                         (3, 100, 72, torch.float32)])
-def test_silu_and_mul_folded_norm(T, F, D, dtype, device, close):
+@pytest.mark.parametrize("T,F,D,dtype,block_f", [
+    (5, 1536, 576, torch.bfloat16, 1024),
+    (3, 100, 72, torch.float32, 1024),
+    (1030, 300, 40, torch.float32, 64),  # >= 1,024 rows: 4 column blocks a program, 5 in all
+])
+def test_silu_and_mul_folded_norm(T, F, D, dtype, block_f, device, close):
     """With norm_rows, gate and up are scaled by each row's 1/rms first: the activation of
     rms_norm(h) @ W_gu^T computed from h @ (W_gu * g)^T (the norm weight folded in)."""
     eps = 1e-5
@@ -42,7 +45,7 @@ def test_silu_and_mul_folded_norm(T, F, D, dtype, device, close):
     g = (1 + 0.5 * torch.randn(D)).to(dtype)
     w = torch.randn(2 * F, D).to(dtype) / D**0.5
     raw = (h.float() @ (w.float() * g.float()).t()).to(dtype)  # the folded GEMM's output
-    got = silu_and_mul(raw.to(device), norm_rows=h.to(device), eps=eps)
+    got = silu_and_mul(raw.to(device), norm_rows=h.to(device), eps=eps, block_f=block_f)
     normed = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)
     gu = (normed * g.double()) @ w.double().t()
     want = torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]

@@ -160,3 +160,24 @@ def test_fold_norms_setting_reaches_the_engine():
     on = EngineCore(engine_cfg(), loaded=tiny_loaded())
     off = EngineCore(engine_cfg(fold_norms=False), loaded=tiny_loaded())
     assert on.model.norms_folded and not off.model.norms_folded
+
+
+def test_large_batches_keep_the_norm_kernels_with_unit_weights(monkeypatch):
+    """Above FUSED_NORM_MAX_ELEMS the folded model runs the norm kernels (unit weights) and
+    plain GEMMs: the same function; the runner picks per bucket (8 rows fused, 32 not)."""
+    from service.model import llama
+
+    model = spread_model("qwen2", layers=3)
+    monkeypatch.setattr(llama, "FUSED_NORM_MAX_ELEMS", 8 * model.cfg.hidden_size)
+    folded = copy.deepcopy(model)
+    folded.fold_norms()
+    assert all(float(n.weight.min()) == float(n.weight.max()) == 1.0
+               for layer in folded.layers
+               for n in (layer.input_layernorm, layer.post_attention_layernorm))
+    assert folded.fuses_norm(8) and not folded.fuses_norm(9)
+    for lengths in ([4, 2], [12, 9]):  # 6 rows: fused; 21 rows: norm kernels
+        want, _ = forward(model, eager, lengths)
+        got, _ = forward(folded, eager, lengths)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        (graph, _), _ = forward(copy.deepcopy(model), graphed(0, 0), lengths)
+        torch.testing.assert_close(graph, want, atol=1e-4, rtol=1e-4)
