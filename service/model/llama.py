@@ -78,8 +78,9 @@ def bias_of(lin) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
 # Largest residual stream (rows x hidden elements, 12 MiB in bf16) whose batches run without
 # norm kernels once the norms are folded. Interleaved A/B on the H200 (bench/fold_ab.py,
 # bench/results/fold-ab-s9-*): SmolLM2-135M (576 wide) gained 2.5-10 % at 128 to 8,192 rows;
-# Llama-3.2-1B (2,048 wide) gained 4 % at 128 rows, broke even at 1,024 and lost 2-3.5 % at
-# 8,192, where its beta-1 GEMMs ran ~10 % slower than plain ones.
+# Llama-3.2-1B (2,048 wide) gained 2-4 % at 128 rows, broke even at 1,024 and lost 3.5 % on
+# one 8,192-token prompt (its beta-1 GEMMs and the extra row reads outweigh the norm kernels
+# once the GEMMs are large).
 FUSED_NORM_MAX_ELEMS = 6 << 20
 
 MLP_ROW_ALIGN = 16  # MLP row chunks are multiples of this: whole GEMM row tiles
