@@ -172,8 +172,8 @@ class DecoderLayer(nn.Module):
 
     def fold_norms(self) -> None:
         """Multiply the input norm's weight into qkv_proj's and the post-attention norm's into
-        gate_up_proj's input columns (in fp32, rounded once), in place; the norm modules stay
-        but are no longer run."""
+        gate_up_proj's input columns (in fp32, rounded once), in place; the norms keep unit
+        weights, for the batches too large to skip them (`fuses_norm`)."""
         for norm, lin in ((self.input_layernorm, self.qkv_proj),
                           (self.post_attention_layernorm, self.mlp.gate_up_proj)):
             w = lin.weight.data
