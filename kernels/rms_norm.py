@@ -19,11 +19,18 @@ from kernels._triton import tl, triton
 
 
 @triton.jit
+def rstd(x, n_cols, eps):
+    """1 / sqrt(mean(x^2) + eps) of a loaded fp32 row (zeros past n_cols): the RMSNorm
+    statistic."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+
+
+@triton.jit
 def row_rstd(x_ptr, n_cols, eps, BLOCK_D: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of one row, in fp32 (the RMSNorm statistic)."""
+    """`rstd` of the row at x_ptr (the folded-norm epilogues read it for their scale)."""
     cols = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    return rstd(x, n_cols, eps)
 
 
 @triton.jit
@@ -54,8 +61,7 @@ def _rms_norm_kernel(
         s = (x + r).to(dtype)  # the new residual, rounded like PyTorch's x + residual
         tl.store(r_ptr + row * stride_rt + cols, s, mask=mask)
         x = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    y = (x * rstd).to(dtype).to(tl.float32)
+    y = (x * rstd(x, n_cols, eps)).to(dtype).to(tl.float32)
     if HAS_LAYER:  # weight (L, N): the row of layer[0] + LAYER_OFFSET
         w_ptr += (tl.load(layer_ptr) + LAYER_OFFSET).to(tl.int64) * n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -130,8 +136,7 @@ def rms_norm_ref(
 ) -> torch.Tensor:
     """Hugging Face LlamaRMSNorm, with the product cast to x's dtype."""
     weight = layer_row(weight, layer, offset)
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = (x.float() * row_rstd_ref(x, eps)).to(x.dtype)
     y = (weight * y).to(x.dtype)
     if out is None:
         return y

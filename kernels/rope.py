@@ -23,7 +23,7 @@ import math
 import torch
 
 from kernels._triton import tl, triton
-from kernels.rms_norm import row_rstd, row_rstd_ref
+from kernels.rms_norm import layer_row, row_rstd, row_rstd_ref
 
 
 @triton.jit
@@ -208,8 +208,8 @@ def apply_rope_ref(
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     heads = [(q, True), (k, True)] if norm_rows is None else [(q, True), (k, True), (v, False)]
     scale = 1.0 if norm_rows is None else row_rstd_ref(norm_rows, eps)[:, :, None]  # (T, 1, 1)
-    if bias is not None and layer is not None:
-        bias = bias.index_select(0, layer.long() + offset)[0]
+    if bias is not None:
+        bias = layer_row(bias, layer, offset)
     at = 0
     for x, rotate in heads:
         y = x.float() * scale
