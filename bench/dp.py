@@ -35,7 +35,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from bench.capture import PAGE, TINY, worker  # noqa: E402
 from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
 from service.engine.batch import SeqChunk  # noqa: E402
-from service.engine.dp import init_dp  # noqa: E402
+from service.engine.dp import close_dp, init_dp  # noqa: E402
 from service.engine.kv_pool import KVPool  # noqa: E402
 from service.engine.runner import PrefillRunner  # noqa: E402
 
@@ -97,7 +97,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict, result: str) -> None
     everyone = [None] * world
     if world > 1:
         dist.all_gather_object(everyone, out)
-        dist.destroy_process_group()
+        close_dp(group)
     else:
         everyone = [out]
     if rank == 0:

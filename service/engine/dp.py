@@ -64,6 +64,15 @@ class DPGroup:
             out.copy_(partial.view(self.world, *out.shape)[self.rank])
 
 
+def close_dp(group: DPGroup) -> None:
+    """Leave the process group `init_dp` joined, every rank together: a barrier first, so no
+    rank destroys its group (or rank 0 the TCP store) while another is still in a collective."""
+    if group.pg is None:
+        return
+    dist.barrier(group=group.pg)
+    dist.destroy_process_group(group.pg)
+
+
 def init_dp(rank: int, world: int, backend: str, init_method: str) -> DPGroup:
     """Join the default process group (one process per rank) and return this rank's group."""
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)

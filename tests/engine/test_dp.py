@@ -45,7 +45,7 @@ def reference() -> list[list[torch.Tensor]]:
 
 def _worker(rank: int, world: int, port: int, outdir: str, buckets: tuple[int, ...]) -> None:
     torch.set_num_threads(1)
-    from service.engine.dp import init_dp
+    from service.engine.dp import close_dp, init_dp
 
     group = init_dp(rank, world, "gloo", f"tcp://127.0.0.1:{port}")
     model = tiny_model(seed=3)
@@ -61,7 +61,12 @@ def _worker(rank: int, world: int, port: int, outdir: str, buckets: tuple[int, .
             logits, batch, mode = runner.prefill(chunks, pool.cache)
             results.append((logits, mode, batch.padded_tokens))
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    close_dp(group)
+    # NOTE: skip interpreter finalization: gloo's worker threads can still hold work objects
+    # whose teardown there aborts the process ("terminate called without an active
+    # exception", SIGABRT) after everything above succeeded: about one run in 25 on the 2-core
+    # CPU machine (pytorch/pytorch#179291 describes the mechanism). Failures above still raise.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")

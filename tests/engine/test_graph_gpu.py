@@ -191,7 +191,7 @@ def _nccl_prompts(step: int, rank: int, vocab: int) -> list[list[int]]:
 
 
 def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
-    from service.engine.dp import init_dp
+    from service.engine.dp import close_dp, init_dp
 
     torch.cuda.set_device(rank)
     group = init_dp(rank, world, "nccl", f"tcp://127.0.0.1:{port}")
@@ -203,7 +203,7 @@ def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
         got.append((logits.cpu(), mode, batch.padded_tokens))  # the parent loads on one GPU
     torch.save(got, os.path.join(outdir, f"rank{rank}.pt"))
     runner.close()
-    torch.distributed.destroy_process_group()
+    close_dp(group)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
