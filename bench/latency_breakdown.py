@@ -6,9 +6,11 @@ loading it into the full graph's buffers, the graph launch (host) and its GPU ti
 events), the LM head, the last-row reductions and their copy to the host. Plus the torch
 profiler's top host-side operators of one forward and, for a full graph, its top kernels by
 GPU time. `--fold on,off,...`: FOLD_NORMS per run, interleaved (an A/B on the same weights).
+`--blas cublaslt`: PyTorch's GEMMs through cuBLASLt (torch.backends.cuda.preferred_blas_library)
+for the whole run, to compare the small GEMMs' kernel choices.
 
 Usage: python bench/latency_breakdown.py [--models smollm2-135m,llama-3.2-1b] [--tokens 128]
-       [--fold on,off]
+       [--fold on,off] [--blas cublas|cublaslt]
 Writes latency_breakdown.{json,md} to $OUT (default bench/results).
 """
 
@@ -128,8 +130,11 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,llama-3.2-1b")
     ap.add_argument("--tokens", default="128")
     ap.add_argument("--fold", default="on")
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"])
     args = ap.parse_args()
-    meta = run_meta()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    meta = run_meta() | {"blas": str(torch.backends.cuda.preferred_blas_library())}
     rows, tops, graphs, md = [], {}, {}, ""
     for name in args.models.split(","):
         for t in map(int, args.tokens.split(",")):

@@ -35,7 +35,7 @@ class PrefillBatch:
     meta: ForwardMeta
     logits_rows: tuple[tuple[int, int], ...]  # per chunk: [start, end) into the logits rows
     last_rows: torch.Tensor  # (B,) int64 on the device: each chunk's last row of the logits
-    # (B, summary_width) float64 on the device, when the forward already reduced the last rows
+    # (B, summary_width) float64 on the host, when the forward already reduced the last rows
     # (a full graph: service.engine.sampling.summarize), else None
     summary: torch.Tensor | None = None
 

@@ -20,9 +20,12 @@ reading row 0) and the reductions the first token needs (service.engine.sampling
 after the launch, one device-to-host copy of the live rows' summary is all the host waits for,
 instead of ~30 more launches.
 
-`FullBuffers` owns those buffers and loads a batch into them with two host-to-device copies (one
-per dtype) from pinned staging buffers, filled sequence by sequence: ids, positions, slots, head
-rows (int64) and cu_seqlens_q, prefix lengths, page table (int32), at offsets fixed per bucket.
+`FullBuffers` owns those buffers. A forward's host work before the graph can start is kept to
+`stage`: the batch is written sequence by sequence into one pinned staging buffer and crosses
+in ONE host-to-device copy (ids, positions, slots, head rows as int64 words, then cu_seqlens_q,
+prefix lengths and page table as int32 in the words after them, at offsets fixed per bucket).
+The batch's Python-side metadata is built while the graph runs, and the summary comes back
+through a pinned buffer and an event, not a pageable copy.
 """
 
 from __future__ import annotations
@@ -66,31 +69,37 @@ class FullBuffers:
         assert max_tokens > 0 and max_seqs > 0 and max_pages > 0 and page_size > 0
         self.max_tokens, self.max_seqs, self.max_pages = max_tokens, max_seqs, max_pages
         self.page_size = page_size
-        r, s = _round_up(max_tokens), max_seqs
-        # int64: ids | positions | slots at multiples of round_up(n), then the head's token rows
-        # (S, padded with row 0), then each sequence's row in the logits (arange)
-        self.i64 = torch.zeros(3 * r + 2 * s, dtype=torch.int64, device=device)
-        # int32: cu_seqlens_q (S + 1) | prefix lengths (S) | page table (S, W)
-        self.i32 = torch.zeros(2 * s + 1 + s * max_pages, dtype=torch.int32, device=device)
-        self.logits = torch.zeros(s, vocab, dtype=torch.float32, device=device)
-        self.summary = torch.zeros(s, summary_width(vocab), dtype=torch.float64, device=device)
-        # Host staging of the two copies, pinned and allocated once (with the fill in `load`,
-        # a load went from 0.19-0.33 to 0.10-0.16 ms of host time on the H200's host), guarded
-        # by an event: a load waits until the previous load's copies have left the staging
-        # buffers (long done by the next forward).
-        pinned = self.i64.is_cuda
-        self._stage64 = torch.empty(self.i64.shape, dtype=torch.int64, pin_memory=pinned)
-        self._stage32 = torch.empty(self.i32.shape, dtype=torch.int32, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None
-        self._np64, self._np32 = self._stage64.numpy(), self._stage32.numpy()
+        # The batch as int64 words (layout: `_layout`), sized for the largest bucket
+        self.words = torch.zeros(self._layout(max_tokens)[-1], dtype=torch.int64, device=device)
+        self.logits = torch.zeros(max_seqs, vocab, dtype=torch.float32, device=device)
+        self.summary = torch.zeros(max_seqs, summary_width(vocab), dtype=torch.float64,
+                                   device=device)
+        # Host side, pinned and allocated once: the staging of the batch copy (with the fill in
+        # `stage`, a load went from 0.19-0.33 to 0.10-0.16 ms of host time on the H200's host)
+        # and the summary's way back, which `_fetched` marks as arrived
+        pinned = self.words.is_cuda
+        self._stage = torch.empty(self.words.shape, dtype=torch.int64, pin_memory=pinned)
+        self._summary_host = torch.empty(self.summary.shape, dtype=torch.float64,
+                                         pin_memory=pinned)
+        self._fetched = torch.cuda.Event() if pinned else None
+        self._np64 = self._stage.numpy()
+        self._np32 = self._np64.view(np.int32)
         self._arange = np.arange(max(max_pages * page_size, max_seqs), dtype=np.int64)
         self._views: dict[int, FullViews] = {}
+
+    def _layout(self, n: int) -> tuple[int, int, int]:
+        """Bucket n's layout: int64 words [ids | positions | slots] (round_up(n) each), then
+        the head's token rows (S, padded with row 0) and each sequence's row in the logits
+        (arange S); from word `w32` on, int32 [cu_seqlens_q (S + 1) | prefix lengths (S) |
+        page table (S, W)]. Returns (round_up(n), w32, words in all)."""
+        r, s = _round_up(n), self.max_seqs
+        w32 = _round_up(3 * r + 2 * s)  # 128-byte aligned, as the int64 segments are
+        return r, w32, w32 + -(-(2 * s + 1 + s * self.max_pages) // 2)
 
     @property
     def nbytes(self) -> int:
         """Device bytes."""
-        return sum(t.numel() * t.element_size()
-                   for t in (self.i64, self.i32, self.logits, self.summary))
+        return sum(t.numel() * t.element_size() for t in (self.words, self.logits, self.summary))
 
     def fits(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], n: int) -> bool:
         """Whether a batch padded to n tokens can replay a full graph (prompt-logprob chunks,
@@ -102,33 +111,31 @@ class FullBuffers:
     def views(self, n: int) -> FullViews:
         if n in self._views:
             return self._views[n]
-        r, s = _round_up(n), self.max_seqs
+        (r, w32, _), s = self._layout(n), self.max_seqs
+        i32 = self.words[w32:].view(torch.int32)
         v = self._views[n] = FullViews(
-            input_ids=self.i64[:n], positions=self.i64[r:r + n],
-            slot_mapping=self.i64[2 * r:2 * r + n], head_rows=self.i64[3 * r:3 * r + s],
-            cu_seqlens_q=self.i32[:s + 1], prefix_lens=self.i32[s + 1:2 * s + 1],
-            page_table=self.i32[2 * s + 1:].view(s, self.max_pages))
+            input_ids=self.words[:n], positions=self.words[r:r + n],
+            slot_mapping=self.words[2 * r:2 * r + n], head_rows=self.words[3 * r:3 * r + s],
+            cu_seqlens_q=i32[:s + 1], prefix_lens=i32[s + 1:2 * s + 1],
+            page_table=i32[2 * s + 1:2 * s + 1 + s * self.max_pages].view(s, self.max_pages))
         return v
 
-    def load(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
-             ) -> PrefillBatch:
-        """Write a batch (padded to the bucket's n tokens) into the buffers; the returned batch's
-        tensors are views of them. NOTE: its meta.cu_seqlens_q has max_seqs + 1 entries (the
-        unused sequences empty), while meta.q_lens lists the live ones.
+    def stage(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], n: int) -> None:
+        """Write a batch (padded to the bucket's n tokens; the caller checked `fits`) into the
+        buffers: the host work a full graph waits for, nothing more. NOTE: the previous
+        stage's copy must have left the staging buffer (a forward waits for its summary, which
+        the GPU copies after the batch; `load` waits for its own copy).
 
         Filled sequence by sequence straight into the staging arrays (at most max_seqs of them):
         ~4x less host time than flattening through `host_batch` (whose vectorized form pays
-        off on batches of many sequences), and this runs before the graph can start."""
-        assert self.fits(chunks, n), "batch does not fit the full graphs' buffers"
-        assert kv.page_size == self.page_size, f"page size {kv.page_size} != {self.page_size}"
-        r, s, w, ps = _round_up(n), self.max_seqs, self.max_pages, kv.page_size
+        off on batches of many sequences)."""
+        (r, w32, _), s, w, ps = self._layout(n), self.max_seqs, self.max_pages, self.page_size
         b = len(chunks)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous load's copies have left the staging
-        a, c = self._np64, self._np32
+        a, o = self._np64, 2 * w32
         ids, pos, slots, head = a[:n], a[r:r + n], a[2 * r:2 * r + n], a[3 * r:3 * r + s]
+        c = self._np32[o:o + 2 * s + 1 + b * w]
         cu, prefix = c[:s + 1], c[s + 1:2 * s + 1]
-        table = c[2 * s + 1:2 * s + 1 + b * w].reshape(b, w)
+        table = c[2 * s + 1:].reshape(b, w)
         table[:] = 0
         t = 0
         for i, ch in enumerate(chunks):
@@ -148,21 +155,46 @@ class FullBuffers:
         cu[0], cu[b + 1:], prefix[b:] = 0, t, 0
         a[3 * r + s:3 * r + 2 * s] = self._arange[:s]  # each sequence's row in the logits
         # NOTE: non_blocking from pinned memory is a true async copy (on the current stream)
-        k64, k32 = 3 * r + 2 * s, 2 * s + 1 + b * w
-        self.i64[:k64].copy_(self._stage64[:k64], non_blocking=True)
-        self.i32[:k32].copy_(self._stage32[:k32], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        k = w32 + -(-c.size // 2)
+        self.words[:k].copy_(self._stage[:k], non_blocking=True)
 
-        v = self.views(n)
+    def batch(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
+              ) -> PrefillBatch:
+        """The staged batch as a PrefillBatch of views of the buffers. NOTE: its
+        meta.cu_seqlens_q has max_seqs + 1 entries (the unused sequences empty), while
+        meta.q_lens lists the live ones."""
+        assert kv.page_size == self.page_size, f"page size {kv.page_size} != {self.page_size}"
+        v, b = self.views(n), len(chunks)
+        rows = 3 * _round_up(n) + self.max_seqs
         meta = ForwardMeta(
             cu_seqlens_q=v.cu_seqlens_q, prefix_lens=v.prefix_lens, page_table=v.page_table,
             slot_mapping=v.slot_mapping, logits_indices=v.head_rows[:b],
             q_lens=tuple(ch.num_tokens for ch in chunks),
             prefix_lens_host=tuple(ch.prefix_len for ch in chunks), kv=kv)
         return PrefillBatch(v.input_ids, v.positions, meta,
-                            tuple((i, i + 1) for i in range(b)),
-                            self.i64[3 * r + s:3 * r + s + b])
+                            tuple((i, i + 1) for i in range(b)), self.words[rows:rows + b])
+
+    def load(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
+             ) -> PrefillBatch:
+        """`stage` (waiting for its copy: capture and benchmarks), then `batch`."""
+        assert self.fits(chunks, n), "batch does not fit the full graphs' buffers"
+        self.stage(chunks, n)
+        if self.words.is_cuda:
+            torch.cuda.current_stream(self.words.device).synchronize()
+        return self.batch(chunks, kv, n)
+
+    def fetch_summary(self, b: int) -> None:
+        """Queue the copy of the first b summary rows to the host (after the graph)."""
+        self._summary_host[:b].copy_(self.summary[:b], non_blocking=True)
+        if self._fetched is not None:
+            self._fetched.record()
+
+    def fetched_summary(self, b: int) -> torch.Tensor:
+        """The rows `fetch_summary` queued, on the host, once they have arrived (a copy: the
+        next forward reuses the pinned buffer)."""
+        if self._fetched is not None:
+            self._fetched.synchronize()
+        return self._summary_host[:b].clone()
 
 
 def capture_chunks(n: int, max_positions: int, page_size: int) -> list[SeqChunk]:

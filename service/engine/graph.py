@@ -129,8 +129,14 @@ class SegmentBackend:
         self.capture_seconds += time.perf_counter() - t0
 
     def replay(self, shape_key: Hashable) -> None:
+        """A whole graph (capture_one(whole=True)) is launched on the caller's current stream;
+        a breakable one's steps run on the backend's stream."""
+        steps = self._steps[shape_key]
+        if len(steps) == 1 and steps[0][0] == "graph":
+            steps[0][1].replay()
+            return
         with self._context():
-            for kind, step in self._steps[shape_key]:
+            for kind, step in steps:
                 if kind == "graph":
                     step.replay()
                 else:

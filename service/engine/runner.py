@@ -171,8 +171,10 @@ class PrefillRunner:
         counts = self.dp.all_gather_counts(t) if self.dp is not None else None
         n = max(counts) if counts is not None else t
         if self.can_use_full(chunks, n):
-            with self.on_stream():
-                logits, batch = self.forward_full(chunks, kv, self.buckets.pad_to_bucket(n))
+            # NOTE: on the caller's stream: one graph launch needs no stream switch (the
+            # switch's two event waits cost the H200's host ~10-20 us before the launch);
+            # on_stream's waits order it with the breakable forwards either side
+            logits, batch = self.forward_full(chunks, kv, self.buckets.pad_to_bucket(n))
             self.forward_counts["graph"] += 1
             self.full_forwards += 1
             return logits, batch, "graph"
@@ -232,18 +234,21 @@ class PrefillRunner:
             self._live = None
         return self.model.logits(v.hidden, batch.meta)
 
-    @torch.inference_mode()
     def forward_full(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
                      ) -> tuple[torch.Tensor, PrefillBatch]:
-        """Load the batch into the full graphs' buffers and replay bucket n's full graph: the
-        forward with attention, the LM head on each sequence's last row and `summarize`."""
+        """Stage the batch into the full graphs' buffers and replay bucket n's full graph: the
+        forward with attention, the LM head on each sequence's last row and `summarize`; the
+        returned batch's summary is on the host. Only the staging precedes the launch: the
+        batch's metadata is built, and the logits copied, while the graph runs."""
+        fb, b = self.full_bufs, len(chunks)
         self.kv_addrs.bind(kv)
-        batch = self.full_bufs.load(chunks, kv, n)
+        fb.stage(chunks, n)
         self.backend.replay(("full", n))
-        b = len(chunks)
-        # NOTE: copies, not views: the next forward overwrites the graph's buffers
-        return self.full_bufs.logits[:b].clone(), dataclasses.replace(
-            batch, summary=self.full_bufs.summary[:b].clone())
+        fb.fetch_summary(b)
+        # NOTE: a copy, not a view: the next forward overwrites the graph's buffers
+        logits = fb.logits[:b].clone()
+        batch = fb.batch(chunks, kv, n)
+        return logits, dataclasses.replace(batch, summary=fb.fetched_summary(b))
 
     # -- capture ----------------------------------------------------------------------------------
     def _run_once(self, v: BucketViews, dp: DPTokens | None, plan: BreakPlan | None = None,

@@ -57,8 +57,7 @@ def test_inputs_are_padded_to_fixed_shapes():
     bufs = FullBuffers(32, SEQS, PAGES, PAGE, 97, "cpu")
     pool = KVPool(tiny_cfg(), 512, PAGE, torch.float32, "cpu")
     chunks = with_prefixes(tiny_model(), pool, [5, 2], [6, 0], seed=1)
-    bufs.i64.fill_(-7)
-    bufs.i32.fill_(-7)  # stale contents a load must overwrite where a graph reads
+    bufs.words.fill_(-7)  # stale contents a load must overwrite where a graph reads
     batch = bufs.load(chunks, pool.cache, 16)
     ref = build_batch(chunks, pool.cache, "cpu", pad_to=16)
     v = bufs.views(16)
@@ -74,6 +73,10 @@ def test_inputs_are_padded_to_fixed_shapes():
     assert v.head_rows.tolist() == [4, 6, 0]  # each sequence's last token; padding reads row 0
     assert torch.equal(batch.meta.logits_indices, ref.meta.logits_indices)
     assert batch.logits_rows == ref.logits_rows and batch.last_rows.tolist() == [0, 1]
+    # every input is a view of one buffer: the batch crosses in one host-to-device copy
+    words = bufs.words.untyped_storage().data_ptr()
+    assert all(getattr(v, f.name).untyped_storage().data_ptr() == words
+               for f in dataclasses.fields(v))
 
 
 def test_fits_limits_sequences_tokens_context_and_prompt_logprobs():

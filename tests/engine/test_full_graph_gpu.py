@@ -19,6 +19,7 @@ from service.engine.buckets import Buckets, default_ladder
 from service.engine.graph import CudaGraphBackend
 from service.engine.kv_pool import KVPool
 from service.engine.runner import FullGraphSpec, PrefillRunner
+from service.engine.sampling import unpack
 from service.model.config import preset
 from service.model.loader import random_model
 from tests.engine.helpers import chunk, prompts
@@ -123,3 +124,28 @@ def test_full_graph_follows_the_pool_it_is_given(runner):
         del pool
     assert not torch.equal(outs[0], outs[1])
 
+
+
+def test_full_and_breakable_forwards_share_kv_in_order(runner):
+    """A full graph (on the caller's stream) reading a prefix that a breakable forward (on the
+    runner's stream) has just written, and the other way round, with no sync in between; the
+    summary that came back through pinned memory matches the returned logits."""
+    pool = KVPool(runner.cfg, 8192, PAGE, BF16, "cuda")
+    for head_len, tail_len in ((1500, 60), (60, 1500)):  # breakable -> full, full -> breakable
+        ids = prompts(runner.cfg.vocab_size, [head_len + tail_len], seed=head_len)[0]
+        head = chunk(pool, ids[:head_len])
+        tail = chunk(pool, ids[head_len:], head_len, list(head.pages))
+        before = runner.full_forwards
+        with torch.inference_mode():
+            runner.prefill([head], pool.cache)
+            got, batch, _ = runner.prefill([tail], pool.cache)
+            got = got.clone()
+            b = build_batch([tail], pool.cache, "cuda")
+            want = runner.model(b.input_ids, b.positions, b.meta)
+        torch.cuda.synchronize()
+        assert runner.full_forwards == before + 1  # exactly one of the two was a full graph
+        assert relerr(got, want) <= 2e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
+        if batch.summary is not None:
+            assert batch.summary.device.type == "cpu"
+            assert unpack(batch.summary)[0].greedy.id == int(got[-1].argmax())
+        pool.allocator.free(list(tail.pages))  # the head's pages and the ones tail added
