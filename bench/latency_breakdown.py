@@ -5,12 +5,13 @@ reports), then each stage alone with a device sync around it: building the batch
 loading it into the full graph's buffers, the graph launch (host) and its GPU time (CUDA
 events), the LM head, the last-row reductions and their copy to the host. Plus the torch
 profiler's top host-side operators of one forward and, for a full graph, its top kernels by
-GPU time. `--fold on,off,...`: FOLD_NORMS per run, interleaved (an A/B on the same weights).
-`--blas cublaslt`: PyTorch's GEMMs through cuBLASLt (torch.backends.cuda.preferred_blas_library)
-for the whole run, to compare the small GEMMs' kernel choices.
+GPU time. `--fold on,off,...` (FOLD_NORMS) and `--full-blas cublaslt,cublas,...`
+(CUDA_GRAPH_FULL_BLAS) per run, interleaved (A/Bs on the same weights; the shorter list
+repeats). `--blas cublaslt`: every GEMM of the process through that library
+(torch.backends.cuda.preferred_blas_library).
 
 Usage: python bench/latency_breakdown.py [--models smollm2-135m,llama-3.2-1b] [--tokens 128]
-       [--fold on,off] [--blas cublas|cublaslt]
+       [--fold on,off] [--full-blas cublaslt,cublas] [--blas cublas|cublaslt]
 Writes latency_breakdown.{json,md} to $OUT (default bench/results).
 """
 
@@ -65,15 +66,16 @@ def gpu_ms(fn) -> float:
     return statistics.median(times)
 
 
-def one(name: str, tokens: int, fold: bool = True) -> tuple[dict, list, list]:
+def one(name: str, tokens: int, fold: bool = True, full_blas: str = "cublaslt"
+        ) -> tuple[dict, list, list]:
     cfg = preset(name)
     loaded = LoadedModel(random_model(cfg, "cuda", torch.bfloat16), None, cfg, Path(name), 0.0)
-    engine = EngineCore(engine_cfg(True, fold=fold), loaded=loaded)
+    engine = EngineCore(engine_cfg(True, fold=fold, full_blas=full_blas), loaded=loaded)
     runner, kv = engine.runner, engine.pool.cache
     ids = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
     chunks = [SeqChunk(tuple(ids), 0, tuple(engine.pool.allocator.alloc(pages_for(tokens, 16))))]
     n = runner.pad_to_bucket(tokens)
-    r = dict(model=name, tokens=tokens, fold=fold, bucket=n,
+    r = dict(model=name, tokens=tokens, fold=fold, full_blas=full_blas, bucket=n,
              full=runner.can_use_full(chunks, tokens))
     kernels: list = []
     r["forward"] = median_ms(lambda: engine.forward(chunks))
@@ -130,6 +132,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,llama-3.2-1b")
     ap.add_argument("--tokens", default="128")
     ap.add_argument("--fold", default="on")
+    ap.add_argument("--full-blas", default="cublaslt")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"])
     args = ap.parse_args()
     if args.blas:
@@ -138,10 +141,13 @@ def main() -> None:
     rows, tops, graphs, md = [], {}, {}, ""
     for name in args.models.split(","):
         for t in map(int, args.tokens.split(",")):
-            for i, fold in enumerate(f == "on" for f in args.fold.split(",")):
-                r, top, kernels = one(name, t, fold)
+            folds = [f == "on" for f in args.fold.split(",")]
+            blases = args.full_blas.split(",")
+            for i in range(max(len(folds), len(blases))):
+                fold, blas = folds[i % len(folds)], blases[i % len(blases)]
+                r, top, kernels = one(name, t, fold, blas)
                 rows.append(r)
-                label = f"{name} {t} fold={fold}"
+                label = f"{name} {t} fold={fold} full_blas={blas}"
                 tops[label], graphs[label] = top, kernels
                 print(r, flush=True)
                 if i >= 2:  # one table per variant: the first round's

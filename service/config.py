@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     cuda_graph_full_max_seqs: int = Field(8, ge=1, le=256, description=(
         "Most prompts in a batch that replays a full graph (its attention grid covers this "
         "many sequences)."))
+    cuda_graph_full_blas: Literal["cublas", "cublaslt"] = Field("cublaslt", description=(
+        "BLAS library of the full graphs' GEMMs (chosen at capture; cuBLASLt avoids a split-K "
+        "+ reduce pair at small row counts)."))
     fold_norms: bool = Field(True, description=(
         "Fold each layer's RMSNorm weights into the projections after them (two norm kernels "
         "fewer per layer; not for float16 models or DP_SIZE > 1)."))
@@ -133,6 +136,7 @@ class EngineConfig:
     attention_hopper_kernel: bool = True
     cuda_graph_full_max_tokens: int = 1024
     cuda_graph_full_max_seqs: int = 8
+    cuda_graph_full_blas: str = "cublaslt"
     fold_norms: bool = True
 
     def __post_init__(self) -> None:
@@ -195,6 +199,7 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         attention_hopper_kernel=settings.attention_hopper_kernel,
         cuda_graph_full_max_tokens=settings.cuda_graph_full_max_tokens,
         cuda_graph_full_max_seqs=settings.cuda_graph_full_max_seqs,
+        cuda_graph_full_blas=settings.cuda_graph_full_blas,
         fold_norms=settings.fold_norms,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,

@@ -210,9 +210,14 @@ def test_settings_reach_the_engine_config():
     from service.config import ConfigError, load_settings, resolve
 
     eng, _ = resolve(load_settings({"CUDA_GRAPH_FULL_MAX_TOKENS": "256",
-                                    "CUDA_GRAPH_FULL_MAX_SEQS": "4"}), False)
+                                    "CUDA_GRAPH_FULL_MAX_SEQS": "4",
+                                    "CUDA_GRAPH_FULL_BLAS": "cublas"}), False)
     assert (eng.cuda_graph_full_max_tokens, eng.cuda_graph_full_max_seqs) == (256, 4)
+    assert eng.cuda_graph_full_blas == "cublas"
     default, _ = resolve(load_settings({}), False)
     assert (default.cuda_graph_full_max_tokens, default.cuda_graph_full_max_seqs) == (1024, 8)
+    assert default.cuda_graph_full_blas == "cublaslt"
     with pytest.raises(ConfigError, match="CUDA_GRAPH_FULL_MAX_SEQS"):
         load_settings({"CUDA_GRAPH_FULL_MAX_SEQS": "0"})
+    with pytest.raises(ConfigError, match="CUDA_GRAPH_FULL_BLAS"):
+        load_settings({"CUDA_GRAPH_FULL_BLAS": "mkl"})
