@@ -158,9 +158,9 @@ class FullBuffers:
         k = w32 + -(-c.size // 2)
         self.words[:k].copy_(self._stage[:k], non_blocking=True)
 
-    def batch(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
-              ) -> PrefillBatch:
-        """The staged batch as a PrefillBatch of views of the buffers. NOTE: its
+    def batch(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int,
+              summary: torch.Tensor | None = None) -> PrefillBatch:
+        """The staged batch as a PrefillBatch of views of the buffers (and `summary`). NOTE: its
         meta.cu_seqlens_q has max_seqs + 1 entries (the unused sequences empty), while
         meta.q_lens lists the live ones."""
         assert kv.page_size == self.page_size, f"page size {kv.page_size} != {self.page_size}"
@@ -172,7 +172,8 @@ class FullBuffers:
             q_lens=tuple(ch.num_tokens for ch in chunks),
             prefix_lens_host=tuple(ch.prefix_len for ch in chunks), kv=kv)
         return PrefillBatch(v.input_ids, v.positions, meta,
-                            tuple((i, i + 1) for i in range(b)), self.words[rows:rows + b])
+                            tuple((i, i + 1) for i in range(b)), self.words[rows:rows + b],
+                            summary)
 
     def load(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
              ) -> PrefillBatch:
@@ -183,18 +184,20 @@ class FullBuffers:
             torch.cuda.current_stream(self.words.device).synchronize()
         return self.batch(chunks, kv, n)
 
-    def fetch_summary(self, b: int) -> None:
-        """Queue the copy of the first b summary rows to the host (after the graph)."""
+    def fetch_summary(self, b: int) -> torch.Tensor:
+        """Queue the copy of the first b summary rows to the host (after the graph); returns
+        the host tensor that `fetched_summary` fills (a copy of its own: the next forward
+        reuses the pinned buffer)."""
         self._summary_host[:b].copy_(self.summary[:b], non_blocking=True)
         if self._fetched is not None:
             self._fetched.record()
+        return torch.empty(self._summary_host[:b].shape, dtype=torch.float64)
 
-    def fetched_summary(self, b: int) -> torch.Tensor:
-        """The rows `fetch_summary` queued, on the host, once they have arrived (a copy: the
-        next forward reuses the pinned buffer)."""
+    def fetched_summary(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` (from `fetch_summary`) once the rows have arrived."""
         if self._fetched is not None:
             self._fetched.synchronize()
-        return self._summary_host[:b].clone()
+        return out.copy_(self._summary_host[:out.shape[0]])
 
 
 def capture_chunks(n: int, max_positions: int, page_size: int) -> list[SeqChunk]:

@@ -265,11 +265,12 @@ class PrefillRunner:
         self.kv_addrs.bind(kv)
         fb.stage(chunks, n)
         self.backend.replay(("full", n))
-        fb.fetch_summary(b)
+        summary = fb.fetch_summary(b)
         # NOTE: a copy, not a view: the next forward overwrites the graph's buffers
         logits = fb.logits[:b].clone()
-        batch = fb.batch(chunks, kv, n)
-        return logits, dataclasses.replace(batch, summary=fb.fetched_summary(b))
+        batch = fb.batch(chunks, kv, n, summary)
+        fb.fetched_summary(summary)  # the host waits here, for the graph and the copy
+        return logits, batch
 
     # -- capture ----------------------------------------------------------------------------------
     def _run_once(self, v: BucketViews, dp: DPTokens | None, plan: BreakPlan | None = None,
