@@ -65,10 +65,14 @@ def gemm_ceiling() -> float:
     return 2 * 8192**3 / ms / 1e9  # TFLOP/s
 
 
-def timed(fn, reps: int, warmup: int = 3) -> float:
-    """Median wall milliseconds of fn() (fn synchronizes: it returns logits on the host)."""
-    for _ in range(warmup):
+def timed(fn, reps: int, warmup: int = 3, warmup_s: float = 0.2) -> float:
+    """Median wall milliseconds of fn() (fn synchronizes: it returns logits on the host), after
+    at least `warmup` calls and `warmup_s` seconds of them (a steady state: a few calls of a
+    sub-millisecond forward leave the GPU and host clocks where the previous case left them)."""
+    t0, i = time.perf_counter(), 0
+    while i < warmup or time.perf_counter() - t0 < warmup_s:
         fn()
+        i += 1
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

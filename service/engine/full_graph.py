@@ -86,6 +86,7 @@ class FullBuffers:
         self._np32 = self._np64.view(np.int32)
         self._arange = np.arange(max(max_pages * page_size, max_seqs), dtype=np.int64)
         self._views: dict[int, FullViews] = {}
+        self._stage_views: dict[tuple[int, int], tuple] = {}
 
     def _layout(self, n: int) -> tuple[int, int, int]:
         """Bucket n's layout: int64 words [ids | positions | slots] (round_up(n) each), then
@@ -129,13 +130,11 @@ class FullBuffers:
         Filled sequence by sequence straight into the staging arrays (at most max_seqs of them):
         ~4x less host time than flattening through `host_batch` (whose vectorized form pays
         off on batches of many sequences)."""
-        (r, w32, _), s, w, ps = self._layout(n), self.max_seqs, self.max_pages, self.page_size
-        b = len(chunks)
-        a, o = self._np64, 2 * w32
-        ids, pos, slots, head = a[:n], a[r:r + n], a[2 * r:2 * r + n], a[3 * r:3 * r + s]
-        c = self._np32[o:o + 2 * s + 1 + b * w]
-        cu, prefix = c[:s + 1], c[s + 1:2 * s + 1]
-        table = c[2 * s + 1:].reshape(b, w)
+        b, ps = len(chunks), self.page_size
+        key = (n, b)
+        if key not in self._stage_views:  # the slices of one (bucket, sequences) layout, once
+            self._stage_views[key] = self._slice_stage(n, b)
+        ids, pos, slots, head, rows, cu, prefix, table, dst, src = self._stage_views[key]
         table[:] = 0
         t = 0
         for i, ch in enumerate(chunks):
@@ -153,10 +152,18 @@ class FullBuffers:
             t += q
         ids[t:], pos[t:], slots[t:], head[b:] = 0, 0, DUMMY_SLOT, 0
         cu[0], cu[b + 1:], prefix[b:] = 0, t, 0
-        a[3 * r + s:3 * r + 2 * s] = self._arange[:s]  # each sequence's row in the logits
+        rows[:] = self._arange[:rows.size]  # each sequence's row in the logits
         # NOTE: non_blocking from pinned memory is a true async copy (on the current stream)
-        k = w32 + -(-c.size // 2)
-        self.words[:k].copy_(self._stage[:k], non_blocking=True)
+        dst.copy_(src, non_blocking=True)
+
+    def _slice_stage(self, n: int, b: int) -> tuple:
+        """Staging views of bucket n's layout for b sequences, and the copy's two ends."""
+        (r, w32, _), s, w, a = self._layout(n), self.max_seqs, self.max_pages, self._np64
+        c = self._np32[2 * w32:2 * w32 + 2 * s + 1 + b * w]
+        k = w32 + -(-c.size // 2)  # words the copy moves
+        return (a[:n], a[r:r + n], a[2 * r:2 * r + n], a[3 * r:3 * r + s],
+                a[3 * r + s:3 * r + 2 * s], c[:s + 1], c[s + 1:2 * s + 1],
+                c[2 * s + 1:].reshape(b, w), self.words[:k], self._stage[:k])
 
     def batch(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int,
               summary: torch.Tensor | None = None) -> PrefillBatch:
