@@ -163,8 +163,8 @@ class PrefillRunner:
     def on_stream(self) -> Iterator[None]:
         """Run on the runner's stream (warm-up, capture, replay and eager all share it: one
         cuBLAS workspace), ordered after the caller's stream's earlier work (weights, KV pool)
-        and before its later work. Forward/capture entry points other than `prefill` and
-        `capture` expect to be called inside this."""
+        and before its later work. Forward/capture entry points other than `prefill`,
+        `forward_full` (the caller's stream) and `capture` expect to be called inside this."""
         if self.stream is None or torch.cuda.current_stream(self.device) == self.stream:
             yield
             return
@@ -183,9 +183,10 @@ class PrefillRunner:
         """Logits (rows, vocab) fp32 on the model's device, the batch, and "graph" | "eager".
 
         The logits stay on the device: callers reduce them there (service.engine.sampling) and
-        copy only the results. NOTE: they are allocated on the runner's stream; callers may read
-        them on their own stream because the next `prefill` waits for that stream before it can
-        reuse their memory. Data-parallel: every rank must call this in lockstep (an empty
+        copy only the results. NOTE: a breakable or eager forward allocates them on the runner's
+        stream; callers may read them on their own stream because the next `prefill` waits for
+        that stream before it can reuse their memory. A full graph runs on the caller's stream
+        itself (`forward_full`). Data-parallel: every rank must call this in lockstep (an empty
         `chunks` is fine).
         """
         t = sum(c.num_tokens for c in chunks)
