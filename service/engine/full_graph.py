@@ -55,6 +55,7 @@ class FullViews:
     positions: torch.Tensor  # (n,) int64
     slot_mapping: torch.Tensor  # (n,) int64
     head_rows: torch.Tensor  # (S,) int64: each sequence's last token row (padding: row 0)
+    logit_rows: torch.Tensor  # (S,) int64: each sequence's row in the logits (arange)
     cu_seqlens_q: torch.Tensor  # (S + 1,) int32
     prefix_lens: torch.Tensor  # (S,) int32
     page_table: torch.Tensor  # (S, W) int32
@@ -109,17 +110,21 @@ class FullBuffers:
                 and max(len(c.pages) for c in chunks) <= self.max_pages
                 and not any(c.all_logits for c in chunks))
 
+    def _parts(self, n: int, b: int, w64, w32) -> tuple:
+        """Bucket n's segments (FullViews' order; page table rows for b sequences) cut from
+        one buffer seen as int64 words `w64` and as int32 `w32`: the device buffer and its
+        staging share this layout."""
+        (r, o, _), s, w = self._layout(n), self.max_seqs, self.max_pages
+        c = w32[2 * o:2 * o + 2 * s + 1 + b * w]
+        return (w64[:n], w64[r:r + n], w64[2 * r:2 * r + n], w64[3 * r:3 * r + s],
+                w64[3 * r + s:3 * r + 2 * s], c[:s + 1], c[s + 1:2 * s + 1],
+                c[2 * s + 1:].reshape(b, w))
+
     def views(self, n: int) -> FullViews:
-        if n in self._views:
-            return self._views[n]
-        (r, w32, _), s = self._layout(n), self.max_seqs
-        i32 = self.words[w32:].view(torch.int32)
-        v = self._views[n] = FullViews(
-            input_ids=self.words[:n], positions=self.words[r:r + n],
-            slot_mapping=self.words[2 * r:2 * r + n], head_rows=self.words[3 * r:3 * r + s],
-            cu_seqlens_q=i32[:s + 1], prefix_lens=i32[s + 1:2 * s + 1],
-            page_table=i32[2 * s + 1:2 * s + 1 + s * self.max_pages].view(s, self.max_pages))
-        return v
+        if n not in self._views:
+            self._views[n] = FullViews(*self._parts(n, self.max_seqs, self.words,
+                                                    self.words.view(torch.int32)))
+        return self._views[n]
 
     def stage(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], n: int) -> None:
         """Write a batch (padded to the bucket's n tokens; the caller checked `fits`) into the
@@ -158,12 +163,9 @@ class FullBuffers:
 
     def _slice_stage(self, n: int, b: int) -> tuple:
         """Staging views of bucket n's layout for b sequences, and the copy's two ends."""
-        (r, w32, _), s, w, a = self._layout(n), self.max_seqs, self.max_pages, self._np64
-        c = self._np32[2 * w32:2 * w32 + 2 * s + 1 + b * w]
-        k = w32 + -(-c.size // 2)  # words the copy moves
-        return (a[:n], a[r:r + n], a[2 * r:2 * r + n], a[3 * r:3 * r + s],
-                a[3 * r + s:3 * r + 2 * s], c[:s + 1], c[s + 1:2 * s + 1],
-                c[2 * s + 1:].reshape(b, w), self.words[:k], self._stage[:k])
+        parts = self._parts(n, b, self._np64, self._np32)
+        k = self._layout(n)[1] + -(-(parts[5].size + parts[6].size + parts[7].size) // 2)
+        return (*parts, self.words[:k], self._stage[:k])  # k: the words the copy moves
 
     def batch(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int,
               summary: torch.Tensor | None = None) -> PrefillBatch:
@@ -172,15 +174,13 @@ class FullBuffers:
         meta.q_lens lists the live ones."""
         assert kv.page_size == self.page_size, f"page size {kv.page_size} != {self.page_size}"
         v, b = self.views(n), len(chunks)
-        rows = 3 * _round_up(n) + self.max_seqs
         meta = ForwardMeta(
             cu_seqlens_q=v.cu_seqlens_q, prefix_lens=v.prefix_lens, page_table=v.page_table,
             slot_mapping=v.slot_mapping, logits_indices=v.head_rows[:b],
             q_lens=tuple(ch.num_tokens for ch in chunks),
             prefix_lens_host=tuple(ch.prefix_len for ch in chunks), kv=kv)
         return PrefillBatch(v.input_ids, v.positions, meta,
-                            tuple((i, i + 1) for i in range(b)), self.words[rows:rows + b],
-                            summary)
+                            tuple((i, i + 1) for i in range(b)), v.logit_rows[:b], summary)
 
     def load(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
              ) -> PrefillBatch:
