@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -12,18 +12,44 @@ from service.engine.pages import DUMMY_SLOT, page_table_array, token_slots
 from service.model.meta import ForwardMeta, KVCache
 
 
+def token_array(token_ids) -> np.ndarray:
+    """A prompt's token ids as the int64 array a batch is flattened from (see SeqChunk.ids)."""
+    return np.asarray(token_ids, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class SeqChunk:
-    """One sequence's share of a forward: `token_ids` are new; `prefix_len` tokens are cached."""
+    """One sequence's share of a forward: `token_ids` are new; `prefix_len` tokens are cached.
+
+    `ids`, when given, holds the same tokens as an int64 array (a view of the prompt's array,
+    which a Request builds where the prompt arrives, off the engine thread): flattening a batch
+    then copies arrays instead of converting Python ints, which cost the H200's host 0.8-1.1 ms
+    of GPU idle time per 8,192-token batch (bench/results/host-split-brk-s11-*)."""
 
     token_ids: tuple[int, ...]
     prefix_len: int
     pages: tuple[int, ...]  # pages covering prefix_len + len(token_ids) tokens
     all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
+    ids: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        assert self.ids is None or (self.ids.dtype == np.int64
+                                    and self.ids.shape == (len(self.token_ids),)), (
+            "ids must be the token ids as an int64 array")
+
+    @classmethod
+    def of(cls, token_ids, prefix_len: int, pages, all_logits: bool = False) -> SeqChunk:
+        """A chunk with its `ids` array, as the scheduler's requests make them."""
+        ids = token_array(token_ids)
+        return cls(tuple(ids.tolist()), prefix_len, tuple(pages), all_logits, ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def id_array(self) -> np.ndarray | tuple[int, ...]:
+        """The token ids in the form that fills a numpy array fastest."""
+        return self.token_ids if self.ids is None else self.ids
 
 
 @dataclass(frozen=True)
@@ -38,6 +64,9 @@ class PrefillBatch:
     # (B, summary_width) float64 on the host, when the forward already reduced the last rows
     # (a full graph: service.engine.sampling.summarize), else None
     summary: torch.Tensor | None = None
+    # Staged through a BatchStaging: (its id, generation, batch shape). Batches with equal
+    # layouts have their device tensors at the same addresses. None: fresh buffers.
+    layout: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +107,12 @@ def host_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], page_size: int,
     ids = np.zeros(padded, np.int64)
     pos = np.zeros(padded, np.int64)
     slots = np.full(padded, DUMMY_SLOT, np.int64)
-    ids[:t] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, t)
+    if all(c.ids is not None for c in chunks):
+        if t:
+            np.concatenate([c.ids for c in chunks], out=ids[:t])
+    else:
+        ids[:t] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks),
+                              np.int64, t)
     pos[:t], slots[:t] = token_slots([c.pages for c in chunks], prefix, counts, page_size)
     logits_idx: list[int] = []
     rows: list[tuple[int, int]] = []
@@ -99,54 +133,121 @@ def host_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], page_size: int,
 
 
 def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
-                device: torch.device | str, pad_to: int | None = None) -> PrefillBatch:
-    """Flatten chunks onto the device; pad ids/positions/slots to `pad_to`."""
+                device: torch.device | str, pad_to: int | None = None,
+                staging: BatchStaging | None = None) -> PrefillBatch:
+    """Flatten chunks onto the device; pad ids/positions/slots to `pad_to`. The batch crosses
+    in ONE copy of int64 words (`_layout`), through `staging`'s reused buffers if given, else
+    through fresh ones (instead of seven small pageable copies: ~10 us of host time apiece on
+    the H200's host, before the first kernel can start)."""
     h = host_batch(chunks, kv.page_size, pad_to)
-    # One host buffer per dtype and one copy each, instead of seven small pageable copies
-    # (~10 us of host time apiece on the H200's host, before the first kernel can start).
-    # Segments start 16-byte aligned, as separate allocations would.
-    i64 = _Pack(np.int64, 2)
-    ids_at, pos_at, slots_at = i64.add(h.ids), i64.add(h.positions), i64.add(h.slots)
-    logits_at, last_at = i64.add(h.logits_idx), i64.add(h.last_idx)
-    i32 = _Pack(np.int32, 4)
-    cu_at, prefix_at, table_at = i32.add(h.cu), i32.add(h.prefix), i32.add(h.table.reshape(-1))
-    d64, d32 = i64.to(device), i32.to(device)
-    meta = ForwardMeta(
-        cu_seqlens_q=d32[cu_at],
-        prefix_lens=d32[prefix_at],
-        page_table=d32[table_at].view(h.table.shape),
-        slot_mapping=d64[slots_at],
-        logits_indices=d64[logits_at],
-        q_lens=h.q_lens,
-        prefix_lens_host=h.prefix_lens,
-        kv=kv,
-    )
-    return PrefillBatch(d64[ids_at], d64[pos_at], meta, h.logits_rows, d64[last_at])
-
-
-class _Pack:
-    """Arrays of one dtype laid end to end, each `align` elements aligned, then one transfer."""
-
-    TORCH = {np.int64: torch.int64, np.int32: torch.int32}
-
-    def __init__(self, dtype: type, align: int):
-        self.dtype, self.align = dtype, align
-        self.parts: list[tuple[int, np.ndarray]] = []
-        self.size = 0
-
-    def add(self, x: np.ndarray) -> slice:
-        start = -(-self.size // self.align) * self.align
-        self.parts.append((start, x))
-        self.size = start + x.size
-        return slice(start, self.size)
-
-    def to(self, device: torch.device | str) -> torch.Tensor:
+    key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
+    if staging is not None:
+        host, dev = staging.views(key)
+        staging.fill(h, host)
+    else:
         device = torch.device(device)
-        host = torch.empty(max(self.size, 1), dtype=self.TORCH[self.dtype],
-                           pin_memory=device.type == "cuda")
-        buf = host.numpy()
-        for start, x in self.parts:
-            buf[start:start + x.size] = x
-        # NOTE: non_blocking from pinned memory is a true async copy; the caching host allocator
-        # keeps `host` from being reused until the copy has finished.
-        return host.to(device, non_blocking=True)
+        words = torch.empty(_layout(*key)[-1], dtype=torch.int64,
+                            pin_memory=device.type == "cuda")
+        host = _cut(words.numpy(), key)
+        _fill(h, host)
+        # NOTE: non_blocking from pinned memory is a true async copy; the caching host
+        # allocator keeps `words` from being reused until the copy has finished.
+        dev = _cut(words.to(device, non_blocking=True), key)
+    ids, pos, slots, logits, last, cu, prefix, table = dev
+    meta = ForwardMeta(cu_seqlens_q=cu, prefix_lens=prefix, page_table=table,
+                       slot_mapping=slots, logits_indices=logits, q_lens=h.q_lens,
+                       prefix_lens_host=h.prefix_lens, kv=kv)
+    return PrefillBatch(ids, pos, meta, h.logits_rows, last,
+                        layout=(id(staging), staging.generation, key) if staging else None)
+
+
+_ALIGN64 = 2  # int64 elements: every segment starts 16-byte aligned, as an allocation would
+
+
+def _layout(t: int, n: int, b: int, w: int) -> tuple[int, ...]:
+    """Word offsets of one batch shape (t padded tokens, n logit rows, b sequences, page table
+    width w): int64 ids, positions, slots (t each), logit rows (n), last rows (b); then, from
+    word w32 on, int32 cu_seqlens (b + 1), prefix lengths (b), page table (b * w). Returns
+    (the five int64 starts, w32, the int32 starts of prefix and table, words in all)."""
+    starts, at = [], 0
+    for size in (t, t, t, n, b):
+        starts.append(at)
+        at = -(-(at + size) // _ALIGN64) * _ALIGN64
+    w32 = at
+    prefix32 = -(-(b + 1) // 4) * 4  # int32 elements, 16-byte aligned
+    table32 = prefix32 + -(-b // 4) * 4
+    return (*starts, w32, prefix32, table32, w32 + -(-(table32 + b * w) // 2))
+
+
+def _cut(words, key: tuple[int, int, int, int]) -> tuple:
+    """The eight segments of `_layout(*key)` as views of `words` (a torch tensor or a numpy
+    array of int64 words): ids, positions, slots, logit rows, last rows, cu_seqlens, prefix
+    lengths, page table (b, w)."""
+    t, n, b, w = key
+    ids, pos, slots, logits, last, w32, prefix32, table32, _ = _layout(*key)
+    i32 = words[w32:].view(np.int32 if isinstance(words, np.ndarray) else torch.int32)
+    return (words[ids:ids + t], words[pos:pos + t], words[slots:slots + t],
+            words[logits:logits + n], words[last:last + b], i32[:b + 1],
+            i32[prefix32:prefix32 + b], i32[table32:table32 + b * w].reshape(b, w))
+
+
+def _fill(h: HostBatch, host: tuple) -> None:
+    for dst, src in zip(host, (h.ids, h.positions, h.slots, h.logits_idx, h.last_idx, h.cu,
+                               h.prefix, h.table)):
+        dst[...] = src
+
+
+class BatchStaging:
+    """Reused buffers for a CUDA runner's batches: one pinned host and one device buffer of
+    int64 words (grown when a batch needs more), with each batch shape's segment views cut
+    once. A batch then costs no pinned or device allocation and no view slicing, and its
+    tensors sit at addresses fixed by its shape (`PrefillBatch.layout`), so the runner can
+    reuse the attention launch it bound for an earlier batch of the same shape.
+
+    NOTE: a batch's device tensors are valid until the next batch is staged: its kernels are
+    queued before that batch's copy (one stream), and the host waits for the previous copy
+    to leave the pinned buffer before refilling it."""
+
+    MAX_SHAPES = 256  # cached view sets; past this the cache starts over
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.generation = 0  # bumped when the buffers are reallocated (old views are stale)
+        self._host = torch.empty(0, dtype=torch.int64)
+        self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._cuda = self.device.type == "cuda"
+        self._copied = torch.cuda.Event() if self._cuda else None
+        self._views: dict[tuple, tuple] = {}
+
+    def views(self, key: tuple[int, int, int, int]) -> tuple[tuple, tuple]:
+        """(host views, device views) of one batch shape."""
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached[0], cached[1]
+        words = _layout(*key)[-1]
+        if words > self._dev.numel():  # grow (the old buffers live on in earlier batches)
+            words = max(words, 2 * self._dev.numel(), 1 << 14)
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._host = torch.empty(words, dtype=torch.int64, pin_memory=self._cuda)
+            self._dev = torch.empty(words, dtype=torch.int64, device=self.device)
+            self._views.clear()
+            self.generation += 1
+        if len(self._views) >= self.MAX_SHAPES:
+            self._views.clear()
+        k = _layout(*key)[-1]
+        cached = (_cut(self._host.numpy(), key), _cut(self._dev, key), self._dev[:k],
+                  self._host[:k])
+        self._views[key] = cached
+        return cached[0], cached[1]
+
+    def fill(self, h: HostBatch, host: tuple) -> None:
+        """Write the batch into the pinned buffer and queue its one copy (current stream)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous batch's copy has left the buffer
+        _fill(h, host)
+        key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
+        _, _, dst, src = self._views[key]
+        dst.copy_(src, non_blocking=self._cuda)
+        if self._copied is not None:
+            self._copied.record()

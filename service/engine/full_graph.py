@@ -150,7 +150,7 @@ class FullBuffers:
             at = self._arange[p:p + q]
             row = table[i]
             row[:len(ch.pages)] = ch.pages
-            ids[t:t + q] = ch.token_ids
+            ids[t:t + q] = ch.id_array()
             pos[t:t + q] = at
             slots[t:t + q] = row[at // ps].astype(np.int64) * ps + at % ps
             cu[i + 1], prefix[i], head[i] = t + q, p, t + q - 1

@@ -11,19 +11,22 @@ Single writer: the engine thread (it also owns the page allocator).
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict
+
+import numpy as np
 
 from service.engine.kv_pool import KVPoolExhausted, PageAllocator
 
 
-def page_keys(token_ids: tuple[int, ...], page_size: int) -> list[bytes]:
-    """Chain keys of every full page of `token_ids`."""
+def page_keys(token_ids, page_size: int) -> list[bytes]:
+    """Chain keys of every full page of `token_ids` (a sequence of ints or an int64 array: the
+    same keys; each page hashes its ids as native int64 bytes)."""
+    ids = np.asarray(token_ids, dtype=np.int64)  # no copy for a Request's array
+    data = memoryview(ids).cast("B")
+    step = page_size * ids.itemsize
     keys, parent = [], b""
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array("q", token_ids[start:start + page_size]).tobytes())
-        parent = h.digest()
+    for start in range(0, (len(ids) // page_size) * step, step):
+        parent = hashlib.blake2b(parent + data[start:start + step], digest_size=16).digest()
         keys.append(parent)
     return keys
 

@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from service.engine.batch import SeqChunk
+from service.engine.batch import SeqChunk, token_array
 from service.engine.pages import pages_for
 from service.engine.sampling import (
     LastRow,
@@ -55,6 +55,9 @@ class Request:
                  loop: asyncio.AbstractEventLoop):
         assert token_ids, "a request needs at least one token"
         self.token_ids = tuple(token_ids)
+        # NOTE: built here, where the prompt arrives (the HTTP event loop), not on the engine
+        # thread: its chunks are views of it (SeqChunk.ids), and so are its prefix-cache keys
+        self.ids = token_array(self.token_ids)
         self.params = params
         self.loop = loop
         self.future: asyncio.Future[PromptResult] = loop.create_future()
@@ -75,7 +78,7 @@ class Request:
         end = self.done + n
         return SeqChunk(self.token_ids[self.done:end], self.done,
                         tuple(self.pages[:pages_for(end, page_size)]),
-                        all_logits=self.params.prompt_logprobs)
+                        all_logits=self.params.prompt_logprobs, ids=self.ids[self.done:end])
 
 
     def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.batch import PrefillBatch, SeqChunk, build_batch
+from service.engine.batch import BatchStaging, PrefillBatch, SeqChunk, build_batch
 from service.engine.buckets import Buckets
 from service.engine.buffers import BucketViews, StaticBuffers
 from service.engine.dp import DPCaptureInputs, DPGroup, DPTokens, mlp_width, shard_mlp
@@ -111,12 +111,16 @@ class PrefillRunner:
 
     `fold_norms`: fold the layers' norm weights into their projections (LlamaModel.fold_norms,
     in place, eager forwards too). Ignored with data parallelism and for fp16 models.
+
+    `staging`: batches cross to the device through reused buffers (BatchStaging), and the
+    breakable path reuses its attention launch per batch shape; default: on CUDA only.
     """
 
     def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend | None,
                  dp: DPGroup | None = None, stream: torch.cuda.Stream | None = None,
                  retain_capture_batch: bool = False, shared_max_tokens: int = 0,
-                 full: FullGraphSpec | None = None, fold_norms: bool = False):
+                 full: FullGraphSpec | None = None, fold_norms: bool = False,
+                 staging: bool | None = None):
         self.model, self.cfg = model, model.cfg
         w = next(model.parameters())
         self.device, self.dtype = w.device, w.dtype
@@ -143,6 +147,12 @@ class PrefillRunner:
         self.full_bufs: FullBuffers | None = None
         self.kv_addrs: KVAddresses | None = None
         self.full_forwards = 0  # graph forwards that replayed a full graph
+        # CUDA batches cross through reused buffers, so equal shapes land at equal addresses and
+        # a breakable forward's attention launch, bound once per shape, is reused (`_plan`)
+        if staging is None:
+            staging = self.device.type == "cuda"
+        self.staging = BatchStaging(self.device) if staging else None
+        self._plans: dict[tuple, tuple] = {}
 
     # -- selection --------------------------------------------------------------------------------
     def can_use_graph(self, batch: PrefillBatch | int) -> bool:
@@ -203,7 +213,8 @@ class PrefillRunner:
         graph = self.can_use_graph(n)
         with self.on_stream():
             batch = build_batch(chunks, kv, self.device,
-                                pad_to=self.buckets.pad_to_bucket(n) if graph else n)
+                                pad_to=self.buckets.pad_to_bucket(n) if graph else n,
+                                staging=self.staging)
             if n == 0:
                 logits = torch.empty(0, self.cfg.vocab_size, device=self.device)
             elif graph:
@@ -338,10 +349,29 @@ class PrefillRunner:
                 rec.dense(head)
         return run_once
 
+    MAX_PLANS = 64  # bound attention launches kept for reuse; past this the cache starts over
+
     def _plan(self, batch: PrefillBatch, v: BucketViews) -> BreakPlan | None:
-        """The live batch's break, prepared once for every layer."""
-        t = batch.num_tokens
-        return self.model.attn.plan(v.qkv[:t], batch.meta, v.attn[:t]) if t else None
+        """The live batch's break, prepared once for every layer; reused for a later batch that
+        was staged at the same layout with the same host-side facts (binding one costs the
+        H200's host 0.1-0.3 ms while the GPU has only the first segment to run:
+        bench/results/host-split-brk-s11-*)."""
+        t, meta, attn = batch.num_tokens, batch.meta, self.model.attn
+        if not t:
+            return None
+        if batch.layout is None:
+            return attn.plan(v.qkv[:t], meta, v.attn[:t])
+        key = (batch.layout, v.n, t, meta.max_q_len, meta.max_prefix_len, id(attn), id(meta.kv))
+        hit = self._plans.get(key)
+        # NOTE: the entry holds the backend and the pool it was bound for, so neither id can
+        # be reused by another object while it is cached
+        if hit is not None and hit[0] is attn and hit[1] is meta.kv:
+            return hit[2]
+        plan = attn.plan(v.qkv[:t], meta, v.attn[:t])
+        if len(self._plans) >= self.MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = (attn, meta.kv, plan)
+        return plan
 
     def capture_batch(self, n: int, kv: KVCache) -> PrefillBatch:
         """n tokens (sequences no longer than the RoPE table) whose KV all goes to the dummy
@@ -372,6 +402,7 @@ class PrefillRunner:
                                 IndexedLayer(self.model, stack, self._layer, 1))
             if self.bufs is None:
                 world = self.dp.world if self.dp is not None else 1
+                self._plans.clear()  # bound to the old buffers' views, if any
                 self.bufs = StaticBuffers.allocate(self.cfg, self.buckets.largest, self.dtype,
                                                    self.device, mlp_width(self.model), world)
             for k, n in enumerate(self.buckets.capture_order()):
@@ -479,5 +510,6 @@ class PrefillRunner:
         """Free the graphs, their pool and the static buffers."""
         if self.backend is not None:
             self.backend.close()
+        self._plans.clear()
         self.bufs = None
         self.full_bufs = self.kv_addrs = None

@@ -242,7 +242,7 @@ class Scheduler:
                 break  # no logit rows left in this forward: admit it (and its pages) later
             ps, cache = pool.page_size, self.cache
             if r.keys is None:
-                r.keys = page_keys(r.token_ids, ps) if cache.enabled else []
+                r.keys = page_keys(r.ids, ps) if cache.enabled else []
             # Prompt logprobs need logits at every position: such prompts reuse nothing. At least
             # the last token is always computed (its logits give the first token).
             reuse = [] if r.params.prompt_logprobs else cache.match(

@@ -122,6 +122,41 @@ def test_prefill_path_picks_graphs_and_matches_eager(smol):
     assert runner.retained_input_bytes == 0
 
 
+def test_staged_batches_of_one_shape_reuse_the_break_and_match_eager(smol):
+    """runner.prefill stages batches through reused buffers and reuses the attention launch it
+    bound for a shape: later batches of that shape, with other tokens, other pages and other
+    cached prefixes (of the same longest length), must still be read and written through
+    their own metadata."""
+    runner, pool = smol
+    rng, vocab = random.Random(5), runner.cfg.vocab_size
+    bound = None
+    for i in range(4):
+        prefixes = [30, 0, rng.randint(1, 30)]  # the longest prefix stays 30
+        full = prompts(vocab, [30 + 20, 64, prefixes[2] + 9], seed=50 + i)  # 93 new tokens
+        chunks = []
+        for ids, p in zip(full, prefixes):
+            head = chunk(pool, ids[:p]) if p else None
+            if head is not None:
+                with torch.inference_mode():
+                    runner.prefill([head], pool.cache)
+            chunks.append(chunk(pool, ids[p:], p, list(head.pages) if head else None))
+        with torch.inference_mode():
+            logits, batch, mode = runner.prefill(chunks, pool.cache)
+            logits = logits.clone()
+            b2 = build_batch(chunks, pool.cache, "cuda")
+            ref = runner.model(b2.input_ids, b2.positions, b2.meta)
+        torch.cuda.synchronize()
+        assert mode == "graph" and batch.layout is not None
+        assert relerr(logits, ref) <= 2e-2, (i, relerr(logits, ref))
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1)), i
+        key = next(k for k in runner._plans if k[0] == batch.layout and k[2] == 93)
+        if bound is None:
+            bound = runner._plans[key][2]
+        assert runner._plans[key][2] is bound  # bound once, reused by the later batches
+        for c in chunks:
+            pool.allocator.free(list(c.pages))
+
+
 def test_dp_world_size_one_with_graphs():
     buckets = (16, 64, 256, 1024)
     dp_runner, pool = build(buckets=buckets, dp=DPGroup(), num_layers=3)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from service.engine.batch import build_batch
+from service.engine.batch import SeqChunk, build_batch
 from service.engine.buckets import Buckets
 from service.engine.core import EngineCore
 from service.engine.dp import DPGroup
@@ -196,3 +196,35 @@ def test_core_cpu_path_reports_and_forwards(caplog):
     assert out.logits[0].device == core.device and core.forward_counts == {"graph": 0, "eager": 1}
     assert [s.greedy.id for s in out.last] == [int(x[-1].argmax()) for x in out.logits]
     core.close()
+
+
+def test_staged_batches_reuse_the_bound_break_and_still_match_eager(monkeypatch):
+    """With staging (the CUDA default), a batch of a shape seen before reuses the attention
+    break bound for it; it must still read the new batch's metadata and tokens. Shapes that
+    differ in anything the launch depends on (live tokens, longest prompt, longest prefix)
+    bind their own."""
+    from service.engine.runner import PrefillRunner
+
+    model = tiny_model(seed=4)
+    runner = PrefillRunner(model, Buckets((16, 32)), SegmentBackend(), staging=True)
+    with torch.inference_mode():
+        runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
+    pool = KVPool(model.cfg, 2048, PAGE, torch.float32, "cpu")
+    binds = []
+    plan = type(model.attn).plan
+    monkeypatch.setattr(type(model.attn), "plan",
+                        lambda self, *a, **k: binds.append(1) or plan(self, *a, **k))
+    shapes = [([5, 7], [0, 0]), ([5, 7], [0, 0]), ([5, 7], [0, 0]), ([7, 5], [0, 0]),
+              ([5, 7], [4, 0]), ([5, 7], [4, 0]), ([6, 6], [0, 0])]
+    for i, (lengths, prefixes) in enumerate(shapes):
+        chunks = _with_prefixes(runner, pool, lengths, prefixes, seed=100 + i)
+        chunks = [SeqChunk.of(c.token_ids, c.prefix_len, c.pages) for c in chunks]
+        ref = eager_logits(model, chunks, pool)
+        with torch.inference_mode():
+            logits, batch, mode = runner.prefill(chunks, pool.cache)
+        assert mode == "graph" and batch.layout is not None
+        for (s, e), r in zip(batch.logits_rows, ref):
+            torch.testing.assert_close(logits[s:e], r, atol=ATOL, rtol=0)
+    # binds: the first [5, 7]; [7, 5] has the same layout and maxima (reused); the prefixed
+    # [5, 7] (another longest prefix); [6, 6] (another longest prompt)
+    assert len(binds) == 3
