@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from service.engine.pages import DUMMY_SLOT, page_table_array, token_slots
+from service.engine.pages import DUMMY_SLOT, flatten_pages, page_table_array, token_slots
 from service.model.meta import ForwardMeta, KVCache
 
 
@@ -113,23 +113,30 @@ def host_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], page_size: int,
     else:
         ids[:t] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks),
                               np.int64, t)
-    pos[:t], slots[:t] = token_slots([c.pages for c in chunks], prefix, counts, page_size)
-    logits_idx: list[int] = []
-    rows: list[tuple[int, int]] = []
-    for c, start, end in zip(chunks, cu[:-1].tolist(), cu[1:].tolist()):
-        first = len(logits_idx)
-        if c.all_logits:
-            logits_idx.extend(range(start, end))
-        elif end > start:
-            logits_idx.append(end - 1)
-        rows.append((first, len(logits_idx)))
+    page_lists = [c.pages for c in chunks]
+    flat = flatten_pages(page_lists)
+    pos[:t], slots[:t] = token_slots(page_lists, prefix, counts, page_size, flat)
+    if any(c.all_logits for c in chunks):
+        logits_idx: list[int] = []
+        ends: list[int] = []
+        for c, start, end in zip(chunks, cu[:-1].tolist(), cu[1:].tolist()):
+            if c.all_logits:
+                logits_idx.extend(range(start, end))
+            elif end > start:
+                logits_idx.append(end - 1)
+            ends.append(len(logits_idx))
+        idx, row_ends = np.asarray(logits_idx, np.int64), np.asarray(ends, np.int64)
+    else:  # each non-empty chunk's last token (vectorized: batches of many prompts)
+        live = counts > 0
+        idx, row_ends = cu[1:][live] - 1, np.cumsum(live)
+    starts = np.zeros(b, np.int64)  # each chunk's rows start where the previous one's end
+    starts[1:] = row_ends[:-1]
     return HostBatch(
         ids=ids, positions=pos, slots=slots, cu=cu, prefix=prefix,
-        table=page_table_array([c.pages for c in chunks]),
-        logits_idx=np.asarray(logits_idx, np.int64),
-        last_idx=np.asarray([max(e - 1, 0) for _, e in rows], np.int64),
-        logits_rows=tuple(rows), q_lens=tuple(counts.tolist()),
-        prefix_lens=tuple(prefix.tolist()))
+        table=page_table_array(page_lists, flat), logits_idx=idx,
+        last_idx=np.maximum(row_ends - 1, 0),
+        logits_rows=tuple(zip(starts.tolist(), row_ends.tolist())),
+        q_lens=tuple(counts.tolist()), prefix_lens=tuple(prefix.tolist()))
 
 
 def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
