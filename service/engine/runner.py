@@ -361,7 +361,8 @@ class PrefillRunner:
             return None
         if batch.layout is None:
             return attn.plan(v.qkv[:t], meta, v.attn[:t])
-        key = (batch.layout, v.n, t, meta.max_q_len, meta.max_prefix_len, id(attn), id(meta.kv))
+        key = (batch.layout, v.n, t, meta.max_q_len, meta.max_prefix_len, attn.hopper, id(attn),
+               id(meta.kv))
         hit = self._plans.get(key)
         # NOTE: the entry holds the backend and the pool it was bound for, so neither id can
         # be reused by another object while it is cached
