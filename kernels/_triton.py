@@ -21,8 +21,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
             return self
 
         def __call__(self, *args, **kwargs):
-            if len(args) == 1 and callable(args[0]) and not kwargs:
-                return self  # used as a decorator (@triton.jit)
+            if (len(args) == 1 and callable(args[0]) and not kwargs) or (kwargs and not args):
+                return self  # used as a decorator (@triton.jit, @triton.jit(...))
             raise ImportError(
                 "triton is not installed: the Triton kernels cannot run here. Install triton "
                 "(Linux x86-64 with CUDA) or use the PyTorch references (use_triton=False)."

@@ -78,7 +78,11 @@ def _softmax_step(
     return acc, l_i, m_new
 
 
-@triton.jit
+# NOTE: the page table's row stride is the batch's widest page list, which varies from batch to
+# batch; specialized (== 1, % 16 == 0) it made a new batch compile a new variant on the serving
+# path (H200: 892 ms for the first prompt over 1,024 tokens whose stride was not a multiple of 16
+# after capture's were). Not specializing it costs nothing measurable: page ids are 4-byte loads.
+@triton.jit(do_not_specialize=["stride_ptb"])
 def _extend_attention_kernel(
     q_ptr,
     k_ptr,

@@ -51,6 +51,21 @@ class ForwardOutput(NamedTuple):
     seconds: float
 
 
+def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_positions: int
+                    ) -> list[list[SeqChunk]]:
+    """EngineCore.warm_up's batches, every KV row on the dummy page, each prompt after a
+    one-page cached prefix: more prompts than a full graph takes (the breakable path and its
+    eager LM head, small attention tiles); one prompt of more new tokens than the small tiles
+    cover (1,024: the table's tiles); one of 4,096 + 16, where the table config may read with
+    TMA (head_dim 128). Those that do not fit the batch budget or the context are left out."""
+    def prompt(n: int) -> SeqChunk:
+        return SeqChunk.of([1] * n, page_size, [0] * pages_for(page_size + n, page_size))
+
+    out = [[prompt(16) for _ in range(full_max_seqs + 1)], [prompt(1040)], [prompt(4112)]]
+    return [b for b in out if sum(c.num_tokens for c in b) <= max_tokens
+            and page_size + max(c.num_tokens for c in b) <= max_positions]
+
+
 def weights_nbytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -128,6 +143,7 @@ class EngineCore:
             torch.cuda.synchronize(self.device)  # the pool's zero-fill, before the stream uses it
         self.memory = dataclasses.replace(report, kv_bytes=self.pool.nbytes,
                                           kv_tokens=self.pool.capacity_tokens)
+        self.warm_up()
         self._log_ready()
 
     def _log_ready(self) -> None:
@@ -143,6 +159,27 @@ class EngineCore:
                  "tokens (%s), reserve %s at MEM_FRACTION_STATIC=%.2f", self.device, mode,
                  gib(m.weights_bytes), gib(m.capture_bytes), m.kv_tokens, gib(m.kv_bytes),
                  gib(m.reserve_bytes), m.mem_fraction_static)
+
+    def warm_up(self) -> None:
+        """Compile, before the first request, the kernel variants that capture does not reach,
+        so that no request waits for Triton's JIT: the eager LM head's first-token reductions
+        (the breakable path's) and attention over a cached prefix (prefix-cache hits, later
+        chunks of a long prompt) with the small- and the large-batch tiles. On the H200, a
+        fresh process's first breakable forward took 241 ms and its first prompt over 1,024
+        tokens 892 ms, against 3-4 ms each after (bench/results/first-call-s11-*). The
+        forwards write KV only to the dummy page and are not counted. CUDA graphs only; not
+        with data parallelism (ranks would have to warm up in lockstep: they compile on their
+        first batches instead)."""
+        if self.device.type != "cuda" or not self.runner.captured or self.runner.dp is not None:
+            return
+        counts, full = dict(self.runner.forward_counts), self.runner.full_forwards
+        for chunks in warm_up_batches(self.cfg.cuda_graph_full_max_seqs, self.pool.page_size,
+                                      self.max_batch_tokens, self.model.max_positions):
+            if self.runner.can_use_graph(sum(c.num_tokens for c in chunks)):
+                self.forward(chunks)
+        torch.cuda.synchronize(self.device)
+        self.runner.forward_counts.update(counts)
+        self.runner.full_forwards = full
 
     @property
     def max_batch_tokens(self) -> int:

@@ -262,3 +262,50 @@ def test_dp_two_nccl_ranks_with_graphs_match_dp1(tmp_path):
                 assert err <= 2e-2, (rank, step, err)
                 assert torch.equal(logits.argmax(-1), want.argmax(-1)), (rank, step)
     plain.close()
+
+
+def test_no_kernel_compiles_on_the_serving_path_after_start_up():
+    """EngineCore warms up what capture does not reach: after start-up, the batches a server
+    meets (full graphs; breakable ones with more prompts than a full graph takes; a prompt over
+    1,024 tokens whose page-table width is no multiple of 16; cached prefixes with small and
+    large tiles) compile no new Triton kernel variant."""
+    from kernels import extend_attention, logits_summary
+    from service.engine.core import EngineCore
+    from service.model.loader import LoadedModel
+
+    cfg = preset("smollm2-135m", num_layers=2)
+    loaded = LoadedModel(random_model(cfg, "cuda", BF16), None, cfg, "random", 0.0)
+    core = EngineCore(engine_cfg(device="cuda", dtype="bfloat16", mem_fraction_static=0.3,
+                                 max_prefill_tokens=8192, cuda_graph_max_tokens=8192,
+                                 max_batch_prompts=64, page_size=PAGE), loaded=loaded)
+    fns = (extend_attention._extend_attention_kernel, logits_summary._chunk_kernel,
+           logits_summary._merge_kernel)
+    dev = torch.cuda.current_device()
+
+    def variants() -> list[int]:
+        return [len(f.device_caches[dev][0]) for f in fns]
+
+    before = variants()
+    assert all(before), before
+    assert core.runner.forward_counts == {"graph": 0, "eager": 0}  # warm-up is not counted
+    pool, v = core.pool, cfg.vocab_size
+    modes = []
+
+    def run(chunks, core=core) -> None:
+        modes.append(core.forward(chunks).mode)
+        for c in chunks:
+            pool.allocator.free(list(c.pages))
+
+    run([chunk(pool, x) for x in prompts(v, [100, 7], seed=1)])  # a full graph
+    run([chunk(pool, x) for x in prompts(v, [128] * 16, seed=2)])  # breakable, 16 prompts
+    run([chunk(pool, x) for x in prompts(v, [3000], seed=3)])  # 188 pages wide
+    heads = [chunk(pool, x) for x in prompts(v, [32] * 9, seed=5)]
+    core.forward(heads)
+    run([chunk(pool, x, 32, list(h.pages)) for x, h in
+         zip(prompts(v, [16] * 9, seed=6), heads)])  # 9 prompts after cached prefixes
+    core.prefill_chunked(prompts(v, [2100], seed=7)[0], chunk_tokens=1050)  # large tiles
+    assert modes == ["graph"] * 4 and core.runner.full_forwards == 1, modes
+    assert variants() == before
+    core.close()
+    del core
+    torch.cuda.empty_cache()
