@@ -173,13 +173,21 @@ class EngineCore:
         if self.device.type != "cuda" or not self.runner.captured or self.runner.dp is not None:
             return
         counts, full = dict(self.runner.forward_counts), self.runner.full_forwards
-        for chunks in warm_up_batches(self.cfg.cuda_graph_full_max_seqs, self.pool.page_size,
-                                      self.max_batch_tokens, self.model.max_positions):
-            if self.runner.can_use_graph(sum(c.num_tokens for c in chunks)):
-                self.forward(chunks)
-        torch.cuda.synchronize(self.device)
-        self.runner.forward_counts.update(counts)
-        self.runner.full_forwards = full
+        t0 = time.perf_counter()
+        try:
+            for chunks in warm_up_batches(self.cfg.cuda_graph_full_max_seqs,
+                                          self.pool.page_size, self.max_batch_tokens,
+                                          self.model.max_positions):
+                if self.runner.can_use_graph(sum(c.num_tokens for c in chunks)):
+                    self.forward(chunks)
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - serving works without it: kernels compile on first use
+            log.warning("warm-up forward failed; the kernels it would have compiled compile on "
+                        "first use instead", exc_info=True)
+        finally:
+            self.runner.forward_counts.update(counts)
+            self.runner.full_forwards = full
+        log.info("warm-up forwards: %.2f s", time.perf_counter() - t0)
 
     @property
     def max_batch_tokens(self) -> int:
