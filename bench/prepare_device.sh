@@ -14,7 +14,8 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64)
 wheels=()
 for p in fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv uvicorn \
-         annotated-types typing-inspection typing-extensions opentelemetry-api gguf; do
+         httptools uvloop annotated-types typing-inspection typing-extensions opentelemetry-api \
+         gguf; do
   wheels+=("$p==$("$PY" -m pip show "$p" | sed -n 's/^Version: //p')")
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

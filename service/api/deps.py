@@ -11,14 +11,16 @@ from service.api.errors import Unauthorized
 from service.api.state import AppState
 
 
-def get_state(request: Request) -> AppState:
+# NOTE: async, though neither awaits anything: FastAPI runs a plain `def` dependency in its
+# thread pool, two thread hops per request for a dict lookup and a string compare.
+async def get_state(request: Request) -> AppState:
     return request.app.state.prefill
 
 
 State = Annotated[AppState, Depends(get_state)]
 
 
-def require_api_key(state: State,
+async def require_api_key(state: State,
                     authorization: Annotated[str | None, Header()] = None) -> None:
     """With API_KEY set, demand `Authorization: Bearer <key>` (constant-time comparison)."""
     key = state.server_cfg.api_key

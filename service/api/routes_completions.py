@@ -8,7 +8,6 @@ logprobs may be up to 20.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -16,7 +15,14 @@ from fastapi import APIRouter, Depends, Request
 
 from service.api.deps import State, require_api_key
 from service.api.errors import BadInput
-from service.api.runner import check_ids, check_model, encode_texts, require_ready, run_prompts
+from service.api.runner import (
+    check_ids,
+    check_model,
+    encode_texts,
+    off_loop,
+    require_ready,
+    run_prompts,
+)
 from service.api.schemas import (
     CompletionChoice,
     CompletionLogprobs,
@@ -115,8 +121,8 @@ async def completions(body: CompletionRequest, state: State,
     max_tokens = check_supported(body)
     require_ready(state)
     check_model(state, body.model)
-    # NOTE: tokenizing and checking a large body takes seconds; never on the event loop.
-    prompts, texts = await asyncio.to_thread(prompt_inputs, state, body.prompt)
+    # NOTE: tokenizing and checking a large body takes seconds: off the event loop (off_loop)
+    prompts, texts = await off_loop(request, prompt_inputs, state, body.prompt)
     want_lps = body.logprobs is not None
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.logprobs or 0,

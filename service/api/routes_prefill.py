@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from fastapi import APIRouter, Depends, Request
 
 from service.api.deps import State, require_api_key
-from service.api.runner import check_ids, check_model, encode_texts, require_ready, run_prompts
+from service.api.runner import (
+    check_ids,
+    check_model,
+    encode_texts,
+    off_loop,
+    require_ready,
+    run_prompts,
+)
 from service.api.schemas import (
     PrefillRequest,
     PrefillResponse,
@@ -60,8 +66,8 @@ async def prefill(body: PrefillRequest, state: State, request: Request) -> Prefi
     """Prefill each prompt and return its first token (greedy unless temperature > 0)."""
     require_ready(state)
     check_model(state, body.model)
-    # NOTE: tokenizing and checking a large body takes seconds; never on the event loop.
-    prompts = await asyncio.to_thread(prompt_ids, state, body)
+    # NOTE: tokenizing and checking a large body takes seconds: off the event loop (off_loop)
+    prompts = await off_loop(request, prompt_ids, state, body)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.top_logprobs,
                             prompt_logprobs=body.prompt_logprobs)
