@@ -89,3 +89,12 @@ def _entries(head_dim: int, dtype: torch.dtype, device: torch.device
     d_key = max(64, 1 << (head_dim - 1).bit_length())
     major, _ = torch.cuda.get_device_capability(device)
     return CONFIGS.get((major, d_key), DEFAULTS[d_key]), SMALL_CONFIGS.get((major, d_key), ())
+
+
+def tile_thresholds() -> tuple[int, int]:
+    """(the largest max_q_len a small-batch entry covers, the smallest row count at which a
+    table entry reads with TMA): batches on either side of each compile different kernels, so
+    a warm-up that should reach them all sizes its prompts from these (EngineCore.warm_up)."""
+    small = max((bound for entries in SMALL_CONFIGS.values() for bound, _ in entries), default=0)
+    tma = min((c.tma_min_tokens for c in CONFIGS.values() if c.use_tma), default=0)
+    return small, tma

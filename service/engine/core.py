@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.extend_attention_config import tile_thresholds
 from service.config import EngineConfig
 from service.engine.batch import SeqChunk
 from service.engine.buckets import Buckets, resolve_buckets
@@ -56,12 +57,15 @@ def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_pos
     """EngineCore.warm_up's batches, every KV row on the dummy page, each prompt after a
     one-page cached prefix: more prompts than a full graph takes (the breakable path and its
     eager LM head, small attention tiles); one prompt of more new tokens than the small tiles
-    cover (1,024: the table's tiles); one of 4,096 + 16, where the table config may read with
-    TMA (head_dim 128). Those that do not fit the batch budget or the context are left out."""
+    cover (the table's tiles); one at the row count where the table's tiles read with TMA
+    (kernels/extend_attention_config.tile_thresholds). Those that do not fit the batch budget
+    or the context are left out."""
     def prompt(n: int) -> SeqChunk:
         return SeqChunk.of([1] * n, page_size, [0] * pages_for(page_size + n, page_size))
 
-    out = [[prompt(16) for _ in range(full_max_seqs + 1)], [prompt(1040)], [prompt(4112)]]
+    small, tma = tile_thresholds()
+    out = [[prompt(16) for _ in range(full_max_seqs + 1)], [prompt(small + 16)],
+           [prompt(tma + 16)]]
     return [b for b in out if sum(c.num_tokens for c in b) <= max_tokens
             and page_size + max(c.num_tokens for c in b) <= max_positions]
 

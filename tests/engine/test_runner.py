@@ -235,17 +235,20 @@ def test_warm_up_batches_fit_and_write_only_the_dummy_page():
     others more new tokens than the small attention tiles cover; every prompt follows a
     one-page cached prefix, every page is the dummy page, and none exceeds the batch budget
     or the context. On the CPU (no graphs) warm-up runs nothing."""
+    from kernels.extend_attention_config import tile_thresholds
     from service.engine.core import warm_up_batches
 
+    small, tma = tile_thresholds()
+    assert 0 < small < tma < 8192 - 32, (small, tma)
     batches = warm_up_batches(8, 16, 8192, 8192)
     assert len(batches[0]) == 9 and [len(b) for b in batches[1:]] == [1, 1]
-    assert [b[0].num_tokens for b in batches[1:]] == [1040, 4112]
+    assert [b[0].num_tokens for b in batches[1:]] == [small + 16, tma + 16]
     for b in batches:
         for c in b:
             assert c.prefix_len == 16 and set(c.pages) == {0}  # page 0: the dummy page
             assert len(c.pages) == -(-(16 + c.num_tokens) // 16) and c.ids is not None
-    assert len(warm_up_batches(8, 16, 1024, 8192)) == 1  # the budget leaves out the long ones
-    assert len(warm_up_batches(8, 16, 8192, 2048)) == 2  # so does the context
+    assert len(warm_up_batches(8, 16, small, 8192)) == 1  # the budget leaves out the long ones
+    assert len(warm_up_batches(8, 16, 8192, tma)) == 2  # so does the context
     core = EngineCore(engine_cfg(), loaded=tiny_loaded())
     core.warm_up()
     assert core.runner.forward_counts == {"graph": 0, "eager": 0}
