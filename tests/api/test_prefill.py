@@ -138,3 +138,24 @@ def test_prefix_cache_reuse_matches_recompute(make_app) -> None:
     off = make_app(prefix_cache="false")
     prefill(off, prompt=text)
     assert prefill(off, prompt=text)["results"][0]["cached_tokens"] == 0
+
+
+def test_small_bodies_are_tokenized_on_the_loop_large_ones_in_a_thread(api, monkeypatch) -> None:
+    """Bodies up to INLINE_BODY_BYTES skip the worker-thread hop; larger ones (a long prompt's
+    tokenizing can take seconds) still leave the event loop. Both answer alike."""
+    from service.api import runner
+
+    hops = []
+    real = runner.asyncio.to_thread
+
+    async def counted(fn, *args):
+        hops.append(fn.__name__)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(runner.asyncio, "to_thread", counted)
+    small = prefill(api, prompt=FRANCE)["results"][0]
+    assert hops == []
+    padded = FRANCE + " " * (runner.INLINE_BODY_BYTES + 10)  # the tokenizer keeps the spaces
+    big = prefill(api, prompt=padded)["results"][0]
+    assert hops == ["prompt_ids"]
+    assert big["prompt_tokens"] > small["prompt_tokens"]
