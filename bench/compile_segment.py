@@ -4,7 +4,8 @@ The dense segment between two attention breaks at small batches, as the service 
 folded norms (service.model.llama): the o projection added into the residual in the GEMM,
 gate/up, SiLU-and-mul scaled by each row's rstd, the down projection added into the residual,
 QKV, then RoPE scaled by the rstd (plus the bias for Qwen2). Each variant below is captured
---reps times in one CUDA graph and replayed; the figure is GPU microseconds per segment:
+--reps times in one CUDA graph and replayed (bench.common.graph_us); the figure is GPU
+microseconds per segment:
 
   ours        DecoderLayer.post + the next layer's pre on the Triton kernels (what the graphs hold)
   math        the same math in plain PyTorch (`segment_math`), not compiled (a reference)
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from bench.common import graph_us, markdown_table, out_dir, relerr, run_meta, write_results  # noqa: E402
 from service.model.config import preset  # noqa: E402
 from service.model.loader import random_model  # noqa: E402
 
@@ -63,37 +64,6 @@ def segment_math(attn, residual, positions, wo, wgu, wd, wqkv, bqkv, cos_sin, ep
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(t, -1)
 
     return residual, torch.cat([rotate(q), rotate(k), v], -1).to(residual.dtype)
-
-
-def graph_us(fn, reps: int) -> float:
-    """GPU microseconds per fn() call, fn captured `reps` times in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(reps):
-            fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):  # the fastest of five replays: other processes are not on this GPU
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
-
-
-def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def case(name: str, rows: int, modes: list[str], reps: int, device: str = "cuda") -> list[dict]:

@@ -57,6 +57,24 @@ def prompts(eng: EngineCore, vocab: int, bs: int, s: int) -> list[SeqChunk]:
     return [SeqChunk.of(x, 0, eng.pool.allocator.alloc(pages_for(s, 16))) for x in ids]
 
 
+def forward_us(eng: EngineCore, chunks: list[SeqChunk]) -> float:
+    """One EngineCore.forward from an idle GPU, host microseconds."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.forward(chunks)
+    return (time.perf_counter() - t0) * 1e6
+
+
+def record(times: dict[str, list[float]], steps: list[str], stamps: list[float],
+           **extra: float) -> None:
+    """Each step's time from consecutive stamps, their total, and `extra` figures (us)."""
+    for k, a, b in zip(steps, stamps, stamps[1:]):
+        times[k].append((b - a) * 1e6)
+    times["total"].append((stamps[-1] - stamps[0]) * 1e6)
+    for k, v in extra.items():
+        times[k].append(v)
+
+
 def split(name: str, tokens: int) -> dict:
     eng, cfg = engine(name)
     r, kv, fb = eng.runner, eng.pool.cache, eng.runner.full_bufs
@@ -85,15 +103,9 @@ def split(name: str, tokens: int) -> dict:
             t.append(time.perf_counter())
             unpack(summary)
             t.append(time.perf_counter())
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.forward(chunks)
-        t1 = time.perf_counter()
+        forward = forward_us(eng, chunks)
         if i >= WARMUP:
-            for k, a, b in zip(STEPS, t, t[1:]):
-                times[k].append((b - a) * 1e6)
-            times["total"].append((t[-1] - t[0]) * 1e6)
-            times["forward"].append((t1 - t0) * 1e6)
+            record(times, STEPS, t, forward=forward)
     eng.close()
     return dict(model=name, tokens=tokens,
                 **{k: round(statistics.median(v), 1) for k, v in times.items()})
@@ -133,18 +145,10 @@ def split_breakable(eng: EngineCore, vocab: int, name: str, bs: int, s: int,
         h0 = time.perf_counter()
         host_batch(chunks, kv.page_size, bucket)
         h1 = time.perf_counter()
-        torch.cuda.synchronize()
-        f0 = time.perf_counter()
-        eng.forward(chunks)
-        f1 = time.perf_counter()
+        forward = forward_us(eng, chunks)
         if i >= warmup:
-            for k, a, b in zip(BREAKABLE_STEPS, t, t[1:]):
-                times[k].append((b - a) * 1e6)
-            times["total"].append((t[-1] - t[0]) * 1e6)
-            times["gpu_span"].append(start.elapsed_time(end) * 1e3)
-            times["bind"].append((b1 - b0) * 1e6)
-            times["host_batch"].append((h1 - h0) * 1e6)
-            times["forward"].append((f1 - f0) * 1e6)
+            record(times, BREAKABLE_STEPS, t, gpu_span=start.elapsed_time(end) * 1e3,
+                   bind=(b1 - b0) * 1e6, host_batch=(h1 - h0) * 1e6, forward=forward)
     for c in chunks:
         eng.pool.allocator.free(list(c.pages))
     return dict(model=name, case=f"{bs}x{s}",

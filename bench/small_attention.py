@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from bench.common import graph_us, markdown_table, out_dir, run_meta, write_results  # noqa: E402
 from kernels.extend_attention import AttnConfig, pick_config, prepare_extend_attention  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64),
@@ -28,27 +28,6 @@ CONFIGS = {"table": None, "m64n64w4s2": AttnConfig(64, 64, 4, 2),
            "m64n32w4s2": AttnConfig(64, 32, 4, 2), "m32n32w4s2": AttnConfig(32, 32, 4, 2),
            "m128n32w4s2": AttnConfig(128, 32, 4, 2), "m64n64w4s3": AttnConfig(64, 64, 4, 3)}
 REPS = 20
-
-
-def graph_us(fn) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(REPS):
-            fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * REPS)
 
 
 def case(h: int, kvh: int, d: int, n: int, cfg: AttnConfig | None, full: bool,
@@ -77,8 +56,8 @@ def case(h: int, kvh: int, d: int, n: int, cfg: AttnConfig | None, full: bool,
         store_slots=slots, max_prefix_len=None if prefix_loop else 0,
         cache_table=(addrs[0], addrs[1]) if addr_table else None)
     if addr_table:
-        return graph_us(lambda: launch(addrs[0], addrs[1]))
-    return graph_us(lambda: launch(pool_k, pool_v))
+        return graph_us(lambda: launch(addrs[0], addrs[1]), REPS)
+    return graph_us(lambda: launch(pool_k, pool_v), REPS)
 
 
 def main() -> None:

@@ -57,6 +57,12 @@ def varlen_batch(runner, pool, total: int, rng: random.Random):
     prefixes = [rng.choice([0, 0, rng.randint(1, 80)]) for _ in lengths]
     vocab = runner.cfg.vocab_size
     full = prompts(vocab, [p + n for p, n in zip(prefixes, lengths)], seed=rng.randint(0, 9999))
+    return after_prefixes(runner, pool, full, prefixes)
+
+
+def after_prefixes(runner, pool, full: list[list[int]], prefixes: list[int]):
+    """Chunks of each prompt's tokens after its first `prefixes[i]`, whose KV is prefilled
+    first (one forward per prefix)."""
     chunks = []
     for ids, p in zip(full, prefixes):
         head = chunk(pool, ids[:p]) if p else None
@@ -133,13 +139,7 @@ def test_staged_batches_of_one_shape_reuse_the_break_and_match_eager(smol):
     for i in range(4):
         prefixes = [30, 0, rng.randint(1, 30)]  # the longest prefix stays 30
         full = prompts(vocab, [30 + 20, 64, prefixes[2] + 9], seed=50 + i)  # 93 new tokens
-        chunks = []
-        for ids, p in zip(full, prefixes):
-            head = chunk(pool, ids[:p]) if p else None
-            if head is not None:
-                with torch.inference_mode():
-                    runner.prefill([head], pool.cache)
-            chunks.append(chunk(pool, ids[p:], p, list(head.pages) if head else None))
+        chunks = after_prefixes(runner, pool, full, prefixes)
         with torch.inference_mode():
             logits, batch, mode = runner.prefill(chunks, pool.cache)
             logits = logits.clone()
