@@ -149,8 +149,7 @@ def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
     h = host_batch(chunks, kv.page_size, pad_to)
     key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
     if staging is not None:
-        host, dev = staging.views(key)
-        staging.fill(h, host)
+        dev = staging.stage(h, key)
     else:
         device = torch.device(device)
         words = torch.empty(_layout(*key)[-1], dtype=torch.int64,
@@ -226,35 +225,33 @@ class BatchStaging:
         self._copied = torch.cuda.Event() if self._cuda else None
         self._views: dict[tuple, tuple] = {}
 
-    def views(self, key: tuple[int, int, int, int]) -> tuple[tuple, tuple]:
-        """(host views, device views) of one batch shape."""
-        cached = self._views.get(key)
-        if cached is not None:
-            return cached[0], cached[1]
+    def stage(self, h: HostBatch, key: tuple[int, int, int, int]) -> tuple:
+        """Write batch `h` (of shape `key`) into the pinned buffer, queue its one copy on the
+        current stream, and return the device views it lands in."""
+        host, dev, dst, src = self._views.get(key) or self._cut(key)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous batch's copy has left the buffer
+        _fill(h, host)
+        dst.copy_(src, non_blocking=self._cuda)
+        if self._copied is not None:
+            self._copied.record()
+        return dev
+
+    def _cut(self, key: tuple[int, int, int, int]) -> tuple:
+        """(host views, device views, copy destination, copy source) of one batch shape,
+        growing the buffers first if it needs more words."""
         words = _layout(*key)[-1]
         if words > self._dev.numel():  # grow (the old buffers live on in earlier batches)
-            words = max(words, 2 * self._dev.numel(), 1 << 14)
+            size = max(words, 2 * self._dev.numel(), 1 << 14)
             if self._copied is not None:
                 self._copied.synchronize()
-            self._host = torch.empty(words, dtype=torch.int64, pin_memory=self._cuda)
-            self._dev = torch.empty(words, dtype=torch.int64, device=self.device)
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=self._cuda)
+            self._dev = torch.empty(size, dtype=torch.int64, device=self.device)
             self._views.clear()
             self.generation += 1
         if len(self._views) >= self.MAX_SHAPES:
             self._views.clear()
-        k = _layout(*key)[-1]
-        cached = (_cut(self._host.numpy(), key), _cut(self._dev, key), self._dev[:k],
-                  self._host[:k])
-        self._views[key] = cached
-        return cached[0], cached[1]
-
-    def fill(self, h: HostBatch, host: tuple) -> None:
-        """Write the batch into the pinned buffer and queue its one copy (current stream)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous batch's copy has left the buffer
-        _fill(h, host)
-        key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
-        _, _, dst, src = self._views[key]
-        dst.copy_(src, non_blocking=self._cuda)
-        if self._copied is not None:
-            self._copied.record()
+        cut = (_cut(self._host.numpy(), key), _cut(self._dev, key), self._dev[:words],
+               self._host[:words])
+        self._views[key] = cut
+        return cut
