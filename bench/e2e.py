@@ -84,15 +84,14 @@ def timed(fn, reps: int, warmup: int = 3, warmup_s: float = 0.2) -> float:
 
 
 def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True,
-               fold: bool = True, full_blas: str = "cublaslt", l2_prefetch: bool = False
-               ) -> EngineConfig:
+               fold: bool = True, full_blas: str = "cublaslt") -> EngineConfig:
     return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
                         mem_fraction_static=0.70, max_prefill_tokens=8192,
                         cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
                         page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
                         max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1,
                         cuda_graph_full_max_tokens=1024 if full else 0, fold_norms=fold,
-                        cuda_graph_full_blas=full_blas, cuda_graph_l2_prefetch=l2_prefetch)
+                        cuda_graph_full_blas=full_blas)
 
 
 def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> dict:

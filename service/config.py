@@ -48,9 +48,6 @@ class Settings(BaseSettings):
     cuda_graph_full_blas: Literal["cublas", "cublaslt"] = Field("cublaslt", description=(
         "BLAS library of the full graphs' GEMMs (chosen at capture; cuBLASLt avoids a split-K "
         "+ reduce pair at small row counts)."))
-    cuda_graph_l2_prefetch: bool = Field(False, description=(
-        "Full graphs read each layer's weights into L2 one layer ahead, on a second stream "
-        "(models whose layer weights fit 16 MiB)."))
     fold_norms: bool = Field(True, description=(
         "Fold each layer's RMSNorm weights into the projections after them (two norm kernels "
         "fewer per layer; not for float16 models or DP_SIZE > 1)."))
@@ -140,7 +137,6 @@ class EngineConfig:
     cuda_graph_full_max_tokens: int = 1024
     cuda_graph_full_max_seqs: int = 8
     cuda_graph_full_blas: str = "cublaslt"
-    cuda_graph_l2_prefetch: bool = False
     fold_norms: bool = True
 
     def __post_init__(self) -> None:
@@ -204,7 +200,6 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         cuda_graph_full_max_tokens=settings.cuda_graph_full_max_tokens,
         cuda_graph_full_max_seqs=settings.cuda_graph_full_max_seqs,
         cuda_graph_full_blas=settings.cuda_graph_full_blas,
-        cuda_graph_l2_prefetch=settings.cuda_graph_l2_prefetch,
         fold_norms=settings.fold_norms,
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,

@@ -122,8 +122,7 @@ class EngineCore:
         backend = CudaGraphBackend(self.stream) if sizes else None
         context = min(cfg.max_prompt_tokens, self.model.max_positions)
         full = FullGraphSpec(cfg.cuda_graph_full_max_tokens, cfg.cuda_graph_full_max_seqs,
-                             pages_for(context, cfg.page_size), cfg.cuda_graph_full_blas,
-                             cfg.cuda_graph_l2_prefetch)
+                             pages_for(context, cfg.page_size), cfg.cuda_graph_full_blas)
         self.runner = PrefillRunner(self.model, Buckets(sizes), backend, dp=dp_group,
                                     stream=self.stream,
                                     shared_max_tokens=cfg.cuda_graph_shared_max_tokens,

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.l2_prefetch import as_words, l2_prefetch
 from service.engine.batch import BatchStaging, PrefillBatch, SeqChunk, build_batch
 from service.engine.buckets import Buckets
 from service.engine.buffers import BucketViews, StaticBuffers
@@ -39,10 +38,6 @@ from service.model.meta import KVAddresses, KVCache
 from service.model.stacked import IndexedLayer, stack_layers
 
 log = logging.getLogger(__name__)
-
-# A layer's weights at most this large are prefetched into L2 (FullGraphSpec.l2_prefetch):
-# two layers in flight must fit the H100/H200's 50 MB L2 with room for the activations
-L2_PREFETCH_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -59,9 +54,6 @@ class FullGraphSpec:
     # Llama-3.1-8B). It costs Qwen2.5-0.5B's o projection ~1 us per layer at 1,024 rows (~2 %
     # of that graph), and SmolLM2's kernels are the same either way.
     blas: str = "cublaslt"
-    # Read each segment's weights into L2 one layer ahead, on a second stream captured beside
-    # the forward (kernels/l2_prefetch.py); only for models whose layer fits L2_PREFETCH_MAX_BYTES
-    l2_prefetch: bool = False
 
 
 @contextmanager
@@ -161,7 +153,6 @@ class PrefillRunner:
             staging = self.device.type == "cuda"
         self.staging = BatchStaging(self.device) if staging else None
         self._plans: dict[tuple, tuple] = {}
-        self._l2: tuple | None = None  # (stream, per-segment weight words, sink): _l2_prefetcher
 
     # -- selection --------------------------------------------------------------------------------
     def can_use_graph(self, batch: PrefillBatch | int) -> bool:
@@ -331,12 +322,8 @@ class PrefillRunner:
             shared[1].pre(h, v.residual, v.positions, m.cos_sin, qkv_out=v.qkv)
             counter.add_(1)
 
-        prefetch = self._l2_prefetcher() if plan is not None else None
-
         def brk(i: int) -> Callable[[], None]:
             if plan is not None:
-                if prefetch is not None:
-                    return lambda: (prefetch(i + self.l2_ahead), plan(i))
                 return lambda: plan(i)
 
             def run() -> None:
@@ -351,8 +338,6 @@ class PrefillRunner:
             summarize(m.head_at(v.hidden, head_rows), out=out.summary, logits_out=out.logits)
 
         def run_once(rec) -> None:
-            if prefetch is not None and self.l2_ahead > 0:
-                prefetch(0)
             rec.dense(first)
             for i in range(len(layers)):
                 rec.brk(brk(i))
@@ -362,48 +347,7 @@ class PrefillRunner:
                     rec.dense(segment(i))
             if head_rows is not None:
                 rec.dense(head)
-            if prefetch is not None:
-                prefetch(None)  # join the prefetch stream: a capture must end on one stream
         return run_once
-
-    l2_ahead = 1  # segments between a prefetch and the segment it is for (0: beside it)
-    l2_programs = 32  # programs per prefetch launch
-    l2_max_bytes = L2_PREFETCH_MAX_BYTES
-
-    def _l2_prefetcher(self) -> Callable[[int | None], None] | None:
-        """With FullGraphSpec.l2_prefetch on a model whose layers fit L2_PREFETCH_MAX_BYTES:
-        `prefetch(s)` queues, on a second stream forked from the current one, reads of the
-        weights segment s runs (layer s's o/gate_up/down, layer s + 1's qkv; s past the last
-        segment: nothing); `prefetch(None)` joins that stream back."""
-        if (self.full is None or not self.full.l2_prefetch or self.device.type != "cuda"
-                or self.dp is not None):
-            return None
-        layers = self.model.layers
-        per_layer = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-        if per_layer > self.l2_max_bytes:
-            return None
-        if self._l2 is None:
-            segs = []
-            for i, lay in enumerate(layers):
-                ws = [lay.o_proj.weight, lay.mlp.gate_up_proj.weight, lay.mlp.down_proj.weight]
-                if i + 1 < len(layers):
-                    ws.append(layers[i + 1].qkv_proj.weight)
-                segs.append([as_words(w) for w in ws])
-            sink = torch.zeros(self.l2_programs, dtype=torch.int32, device=self.device)
-            self._l2 = (torch.cuda.Stream(self.device), segs, sink)
-        side, segs, sink = self._l2
-
-        def prefetch(s: int | None) -> None:
-            main = torch.cuda.current_stream(self.device)
-            if s is None:
-                main.wait_stream(side)
-                return
-            if s >= len(segs):
-                return
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                l2_prefetch(segs[s], sink)
-        return prefetch
 
     MAX_PLANS = 64  # bound attention launches kept for reuse; past this the cache starts over
 

@@ -151,33 +151,3 @@ def test_full_and_breakable_forwards_share_kv_in_order(runner):
             assert batch.summary.device.type == "cpu"
             assert unpack(batch.summary)[0].greedy.id == int(got[-1].argmax())
         pool.allocator.free(list(tail.pages))  # the head's pages and the ones tail added
-
-
-def test_l2_prefetch_leaves_the_logits_unchanged():
-    """FullGraphSpec.l2_prefetch adds reads on a second stream to each full graph (one layer
-    ahead, then beside it); the graphs' logits must equal those without, bit for bit."""
-    cfg = preset("smollm2-135m", num_layers=3)
-    model = random_model(cfg, "cuda", BF16, seed=0)
-    pool = KVPool(cfg, 4096, PAGE, BF16, "cuda")
-    batches = [[chunk(pool, p) for p in prompts(cfg.vocab_size, lengths, seed=5)]
-               for lengths in ([100], [300, 200, 7], [1000])]
-    got, pf = {}, FullGraphSpec(1024, 8, 2048, l2_prefetch=True)
-    for label, spec, ahead in (("off", FULL, 1), ("ahead", pf, 1), ("beside", pf, 0)):
-        stream = torch.cuda.Stream()
-        r = PrefillRunner(model, Buckets((128, 512, 1024)), CudaGraphBackend(stream),
-                          stream=stream, full=spec, fold_norms=True)
-        r.l2_ahead = ahead
-        with torch.inference_mode():
-            r.capture(KVPool(cfg, PAGE, PAGE, BF16, "cuda").cache)
-            assert (r._l2 is not None) == (label != "off")
-            outs = []
-            for chunks in batches:
-                logits, _, mode = r.prefill(chunks, pool.cache)
-                assert mode == "graph" and r.full_forwards == len(outs) + 1
-                outs.append(logits.clone())
-        torch.cuda.synchronize()
-        got[label] = outs
-        r.close()
-    for label in ("ahead", "beside"):
-        for a, b in zip(got[label], got["off"]):
-            assert torch.equal(a, b), label
