@@ -42,6 +42,7 @@ step breakdown "${T_BD:-120}" env OUT="$R" python3 bench/latency_breakdown.py --
 step host_split "${T_HS:-120}" env OUT="$R" python3 bench/host_split.py
 step host_split_brk "${T_HSB:-240}" env OUT="$R/brk" python3 bench/host_split.py --path breakable \
   --models "${HSB_MODELS:-smollm2-135m,qwen2.5-0.5b,llama-3.2-1b}"
+step bound "${T_BOUND:-300}" env OUT="$R" python3 bench/bound.py ${BOUND_ARGS:-}
 step small_attn "${T_SMALL:-90}" env OUT="$R" python3 bench/small_attention.py ${SMALL_ARGS:-}
 step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"
 step kernel_tests "${T_KT:-120}" python3 -m pytest -v -m gpu -p no:cacheprovider \

@@ -3,7 +3,10 @@
 Each concurrency level runs C clients that send one prompt after another (random token ids, so
 nothing is shared between prompts) until --duration seconds or --max-requests requests, whichever
 comes first. TTFT is the client-side latency of one prefill request (it returns the first token).
-Loopback only. Writes load-<device>-<date>.{json,md,png} to $OUT (default bench/results).
+The C clients are spread over --clients processes (one httpx event loop saturates its core long
+before the service does); each level also reports the busiest client process's CPU share and
+the server's prompts per forward (from /metrics). Loopback only.
+Writes load-<device>-<date>.{json,md,png} to $OUT (default bench/results).
 
   python bench/load.py --spawn                       # start `python -m service` itself
   python bench/load.py --url http://127.0.0.1:8000   # a running server
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import multiprocessing as mp
 import os
 import random
 import signal
@@ -23,6 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -68,58 +74,126 @@ def spawn(env_overrides: dict[str, str], ready_timeout: float) -> tuple[subproce
     sys.exit(f"the service was not ready after {ready_timeout}s")
 
 
-async def level(client: httpx.AsyncClient, conc: int, args: argparse.Namespace,
-                vocab: int) -> dict:
-    rng = random.Random(conc)
+@dataclass(frozen=True)
+class Part:
+    """One client process's share of a level."""
+
+    url: str
+    headers: dict
+    timeout: float
+    conc: int
+    max_requests: int
+    prompt_tokens: int
+    vocab: int
+    start_at: float  # time.time() at which every process starts sending
+    duration: float
+    seed: int
+
+
+def run_part(part: Part) -> dict:
+    """A client process: part.conc closed-loop workers on one httpx client."""
+    return asyncio.run(_part(part))
+
+
+async def _part(p: Part) -> dict:
+    rng = random.Random(p.seed)
     lat: list[float] = []
     server_prefill: list[float] = []
     tokens = errors = sent = 0
-    stop_at = time.perf_counter() + args.duration
+    limits = httpx.Limits(max_connections=p.conc + 4)
+    async with httpx.AsyncClient(base_url=p.url, timeout=p.timeout, limits=limits,
+                                 headers=p.headers) as client:
+        await asyncio.sleep(max(0.0, p.start_at - time.time()))
+        stop_at = time.perf_counter() + p.duration
 
-    async def worker() -> None:
-        nonlocal tokens, errors, sent
-        while time.perf_counter() < stop_at and sent < args.max_requests:
-            sent += 1
-            ids = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
-            t0 = time.perf_counter()
-            try:
-                r = await client.post("/v1/prefill", json={"input_ids": ids})
-            except httpx.HTTPError:
-                errors += 1
-                continue
-            if r.status_code != 200:
-                errors += 1
-                continue
-            lat.append(time.perf_counter() - t0)
-            res = r.json()["results"][0]
-            tokens += res["prompt_tokens"]
-            server_prefill.append(res["prefill_ms"] / 1e3)
+        async def worker() -> None:
+            nonlocal tokens, errors, sent
+            while time.perf_counter() < stop_at and sent < p.max_requests:
+                sent += 1
+                ids = [rng.randrange(100, p.vocab) for _ in range(p.prompt_tokens)]
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post("/v1/prefill", json={"input_ids": ids})
+                except httpx.HTTPError:
+                    errors += 1
+                    continue
+                if r.status_code != 200:
+                    errors += 1
+                    continue
+                lat.append(time.perf_counter() - t0)
+                res = r.json()["results"][0]
+                tokens += res["prompt_tokens"]
+                server_prefill.append(res["prefill_ms"] / 1e3)
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(conc)))
-    wall = time.perf_counter() - t0
-    return {"concurrency": conc, "requests": len(lat), "errors": errors, "seconds": wall,
-            "prompt_tokens_per_s": tokens / wall, "requests_per_s": len(lat) / wall,
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(worker() for _ in range(p.conc)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return dict(lat=lat, server_prefill=server_prefill, tokens=tokens, errors=errors,
+                wall=wall, cpu=cpu)
+
+
+def split(total: int, parts: int) -> list[int]:
+    """total as `parts` near-equal positive shares (fewer parts if total is smaller)."""
+    parts = max(1, min(parts, total))
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def level(pool: ProcessPoolExecutor, url: str, conc: int, args: argparse.Namespace,
+          vocab: int) -> dict:
+    """One concurrency level: conc workers over args.clients processes, started together."""
+    before = forward_stats(url, args.headers)
+    shares = split(conc, args.clients)
+    budgets = split(args.max_requests, len(shares))
+    start_at = time.time() + 0.5  # every process has its client open by then
+    parts = [Part(url, args.headers, args.timeout, c, m, args.prompt_tokens, vocab, start_at,
+                  args.duration, conc * 1000 + i) for i, (c, m) in enumerate(zip(shares, budgets))]
+    outs = list(pool.map(run_part, parts))
+    after = forward_stats(url, args.headers)
+    wall = max(o["wall"] for o in outs)
+    lat = [x for o in outs for x in o["lat"]]
+    server_prefill = [x for o in outs for x in o["server_prefill"]]
+    forwards = after[1] - before[1]
+    return {"concurrency": conc, "clients": len(shares), "requests": len(lat),
+            "errors": sum(o["errors"] for o in outs), "seconds": wall,
+            "prompt_tokens_per_s": sum(o["tokens"] for o in outs) / wall,
+            "requests_per_s": len(lat) / wall,
             "ttft_p50_s": pct(lat, 50), "ttft_p99_s": pct(lat, 99),
-            "server_prefill_p50_s": pct(server_prefill, 50)}
+            "server_prefill_p50_s": pct(server_prefill, 50),
+            # near 1: the client processes, not the server, limit the level (add --clients)
+            "client_cpu_fraction": max(o["cpu"] / o["wall"] for o in outs),
+            "prompts_per_forward": (after[0] - before[0]) / forwards if forwards else None}
 
 
-async def sweep(url: str, args: argparse.Namespace) -> tuple[dict, list[dict]]:
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits,
-                                 headers=args.headers) as client:
-        info = (await client.get("/info")).json()
-        vocab = info.get("vocab_size") or 32000
-        for _ in range(3):  # warm-up, not measured
-            await client.post("/v1/prefill", json={"input_ids": [100] * args.prompt_tokens})
-        rows = []
+def forward_stats(url: str, headers: dict) -> tuple[float, float]:
+    """(prompts, forwards) so far, from the server's prefill_batch_requests histogram."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    got = {}
+    for line in text.splitlines():
+        for key in ("prefill_batch_requests_sum", "prefill_batch_requests_count"):
+            if line.startswith(key + " "):
+                got[key] = float(line.split()[1])
+    return got.get("prefill_batch_requests_sum", 0.0), got.get("prefill_batch_requests_count", 0.0)
+
+
+def sweep(url: str, args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    info = httpx.get(url + "/info", headers=args.headers, timeout=30).json()
+    vocab = info.get("vocab_size") or 32000
+    for _ in range(3):  # warm-up, not measured
+        httpx.post(url + "/v1/prefill", json={"input_ids": [100] * args.prompt_tokens},
+                   headers=args.headers, timeout=args.timeout)
+    rows = []
+    # NOTE: spawn, not fork: a forked child would inherit this process's httpx state
+    with ProcessPoolExecutor(args.clients, mp_context=mp.get_context("spawn")) as pool:
         for conc in args.concurrency:
-            row = await level(client, conc, args, vocab)
+            row = level(pool, url, conc, args, vocab)
             print(f"c={conc:3d} {row['prompt_tokens_per_s']:10.0f} tok/s  "
                   f"p50 {row['ttft_p50_s'] or 0:.3f}s  p99 {row['ttft_p99_s'] or 0:.3f}s  "
-                  f"({row['requests']} ok, {row['errors']} errors)", flush=True)
+                  f"({row['requests']} ok, {row['errors']} errors, "
+                  f"{row['prompts_per_forward'] or 0:.1f} prompts/forward, "
+                  f"{row['clients']} clients at most {row['client_cpu_fraction']:.0%} CPU)",
+                  flush=True)
             rows.append(row)
-        return info, rows
+    return info, rows
 
 
 def plot(path: Path, rows: list[dict], title: str) -> Path | None:
@@ -158,10 +232,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--api-key", default=os.environ.get("API_KEY"))
+    p.add_argument("--clients", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                   help="client processes a level's workers are spread over (one Python "
+                        "httpx client tops out near 500-600 requests/s on the H200's host)")
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if not 0 < args.duration <= 600 or not 0 < args.max_requests <= 100_000:
         p.error("--duration must be in (0, 600] and --max-requests in (0, 100000]")
+    if args.clients < 1:
+        p.error("--clients must be >= 1")
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         p.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -176,7 +255,7 @@ def main() -> None:
         env = dict(kv.split("=", 1) for kv in args.env)
         proc, url = spawn(env, args.ready_timeout)
     try:
-        info, rows = asyncio.run(sweep(url.rstrip("/"), args))
+        info, rows = sweep(url.rstrip("/"), args)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -190,11 +269,12 @@ def main() -> None:
     device = (info.get("device_name") or info.get("device") or "unknown").replace(" ", "-")
     name = f"load-{device}-{datetime.date.today().isoformat()}"
     table = markdown_table(
-        ["concurrency", "requests", "errors", "prompt tok/s", "TTFT p50 ms", "TTFT p99 ms",
-         "server prefill p50 ms"],
-        [[r["concurrency"], r["requests"], r["errors"], r["prompt_tokens_per_s"],
+        ["concurrency", "clients", "requests", "errors", "prompt tok/s", "TTFT p50 ms",
+         "TTFT p99 ms", "server prefill p50 ms", "prompts / forward", "client CPU"],
+        [[r["concurrency"], r["clients"], r["requests"], r["errors"], r["prompt_tokens_per_s"],
           (r["ttft_p50_s"] or 0) * 1e3, (r["ttft_p99_s"] or 0) * 1e3,
-          (r["server_prefill_p50_s"] or 0) * 1e3] for r in rows])
+          (r["server_prefill_p50_s"] or 0) * 1e3, r["prompts_per_forward"],
+          r["client_cpu_fraction"]] for r in rows])
     directory = out_dir()
     paths = write_results(directory, name, meta, {"levels": rows}, table)
     png = plot(directory / f"{name}.png", rows,

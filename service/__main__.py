@@ -79,7 +79,8 @@ def main() -> None:
 
     app = create_app(engine_cfg=engine_cfg, server_cfg=server_cfg, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
-                            log_level=server_cfg.log_level, lifespan="on",
+                            log_level=server_cfg.log_level, access_log=server_cfg.access_log,
+                            lifespan="on",
                             timeout_graceful_shutdown=5, log_config=None)
     server = DrainingServer(config, server_cfg.drain_timeout_s)
     log.info("engine: device=%s dtype=%s model=%s", engine_cfg.device, engine_cfg.dtype,

@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body accepted.")
+    access_log: bool = Field(True, description=(
+        "Log every HTTP request (uvicorn's access log). false: ~20 % more requests/s for short "
+        "prompts, whose HTTP handling is most of their cost."))
     served_model_name: str | None = Field(None, description=(
         "Model id in /v1/models and responses; default: the checkpoint's file/directory name."))
     prefix_cache: bool = Field(True, description=(
@@ -152,6 +155,7 @@ class ServerConfig:
     log_level: str
     max_body_bytes: int
     served_model_name: str | None = None
+    access_log: bool = True
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -205,5 +209,6 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
                        max_body_bytes=settings.max_body_bytes,
+                       access_log=settings.access_log,
                        served_model_name=settings.served_model_name or None)
     return eng, srv

@@ -25,3 +25,11 @@ def test_dp_size_above_one_is_refused_at_start_up():
 
     with pytest.raises(ConfigError, match="DP_SIZE=2: the HTTP service runs one rank"):
         resolve(load_settings({"DP_SIZE": "2"}), cuda_available=False)
+
+
+def test_access_log_switch_reaches_the_server_config():
+    from service.config import resolve
+
+    assert resolve(load_settings({}), cuda_available=False)[1].access_log is True
+    assert resolve(load_settings({"ACCESS_LOG": "false"}), cuda_available=False)[1].access_log \
+        is False

@@ -54,7 +54,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "service"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         env=service_env(HOST="127.0.0.1", PORT=str(port), DRAIN_TIMEOUT_S="60",
-                        MAX_PREFILL_TOKENS="16", LOG_LEVEL="info"))
+                        MAX_PREFILL_TOKENS="16", LOG_LEVEL="info", ACCESS_LOG="false"))
 
     def tail() -> str:
         log.flush()
@@ -90,6 +90,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path) -> None:
         rc = proc.wait(timeout=30)
         assert rc == 0, tail()
         assert "draining for up to 60s (1 requests in flight)" in tail()
+        assert '"POST /v1/prefill' not in tail(), "ACCESS_LOG=false still logged requests"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,150 @@
+"""A lower bound on an 8,192-token prefill from the fastest kernels at hand, next to transformers.
+
+For each model and batch shape (prompts x tokens = 8,192): the GPU time of each layer's four
+projections (QKV, O, gate/up, down) at 8,192 rows, the faster of cuBLAS and cuBLASLt, plus its
+causal attention, the fastest of our kernel and SDPA's flash, cuDNN and efficient backends
+(equal-length prompts, so SDPA takes the batch as one (B, H, S, D) call), times the layer count.
+Everything else a forward needs (embedding, norms, RoPE, SiLU, KV store, LM head, host work)
+is left out, so no implementation on this GPU with these kernels prefills faster than
+8,192 / bound tokens/s. In the same run: transformers (sdpa, bf16, as bench/e2e.py runs it)
+and, unless --skip-ours, our service path (ours-graph), so the ratio a target asks for can be
+set against the bound.
+
+Each kernel is captured 20 times in a CUDA graph and replayed (bench.common.graph_us).
+
+Usage: python bench/bound.py [--models qwen2.5-0.5b,smollm2-135m,llama-3.2-1b] [--skip-ours]
+Writes bound.{json,md} to $OUT (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import graph_us, markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from bench.e2e import flops, gemm_ceiling, hf_model, run_hf, run_ours  # noqa: E402
+from kernels.extend_attention import extend_attention  # noqa: E402
+from service.model.config import ModelConfig, preset  # noqa: E402
+from service.model.loader import LoadedModel, random_model  # noqa: E402
+from service.model.weights import load_hf_state  # noqa: E402
+
+SHAPES = ((8, 1024), (64, 128), (1, 8192))
+ROWS = 8192
+SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def gemm_us(c: ModelConfig) -> dict[str, float]:
+    """Per projection: the faster of cuBLAS and cuBLASLt at ROWS rows (us)."""
+    h, f = c.hidden_size, c.intermediate_size
+    shapes = {"qkv": (h, c.q_size + 2 * c.kv_size), "o": (c.q_size, h), "gate_up": (h, 2 * f),
+              "down": (f, h)}
+    out = {}
+    default = torch.backends.cuda.preferred_blas_library()
+    try:
+        for name, (k, n) in shapes.items():
+            x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16)
+            best = float("inf")
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                best = min(best, graph_us(lambda x=x, w=w, y=y: torch.mm(x, w.t(), out=y)))
+            out[name] = best
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+    return out
+
+
+def attention_us(c: ModelConfig, bs: int, s: int) -> dict[str, float | None]:
+    """Causal attention of bs prompts of s tokens, per implementation (us; None: unsupported)."""
+    h, kvh, d, dev, dt = c.num_heads, c.num_kv_heads, c.head_dim, "cuda", torch.bfloat16
+    t = bs * s
+    q = torch.randn(t, h, d, device=dev, dtype=dt)
+    k = torch.randn(t, kvh, d, device=dev, dtype=dt)
+    v = torch.randn(t, kvh, d, device=dev, dtype=dt)
+    cu = torch.arange(0, t + 1, s, dtype=torch.int32, device=dev)
+    prefix = torch.zeros(bs, dtype=torch.int32, device=dev)
+    table = torch.zeros(bs, 1, dtype=torch.int32, device=dev)
+    pool = torch.zeros(16, kvh, d, device=dev, dtype=dt)
+    out = torch.empty_like(q)
+    res: dict[str, float | None] = {"ours": graph_us(lambda: extend_attention(
+        q, k, v, pool, pool, cu, prefix, table, 16, s, out=out, max_prefix_len=0,
+        num_tokens=t))}
+    qb, kb, vb = (x.view(bs, s, -1, d).transpose(1, 2) for x in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name, backend in SDPA.items():
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                res[name] = graph_us(lambda: F.scaled_dot_product_attention(
+                    qb, kb, vb, is_causal=True, enable_gqa=h != kvh))
+        except RuntimeError as e:  # a backend that does not take this shape
+            print(c.name, bs, s, name, "unsupported:", str(e)[:120], flush=True)
+            res[name] = None
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen2.5-0.5b,smollm2-135m,llama-3.2-1b")
+    ap.add_argument("--skip-ours", action="store_true")
+    args = ap.parse_args()
+    meta = run_meta() | {"gemm_ceiling_tflops": gemm_ceiling()}
+    rows, table = [], []
+    for name in args.models.split(","):
+        cfg = preset(name)
+        gemms = gemm_us(cfg)
+        gen = torch.Generator().manual_seed(0)
+        model = random_model(cfg, "cuda", torch.bfloat16, seed=0)
+        hf = hf_model(cfg)
+        load_hf_state(model, hf.state_dict(), f"hf:{name}")  # the same weights
+        hf_ms = run_hf(hf, cfg, gen)
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+        ours = {} if args.skip_ours else run_ours(
+            LoadedModel(model, None, cfg, Path(name), 0.0), "ours-graph", gen)
+        for bs, s in SHAPES:
+            attn = attention_us(cfg, bs, s)
+            best = min(x for x in attn.values() if x is not None)
+            bound_ms = cfg.num_layers * (sum(gemms.values()) + best) / 1e3
+            key = f"{bs}x{s}"
+            r = dict(model=name, shape=key, gemm_us=gemms, attention_us=attn,
+                     bound_ms=bound_ms, bound_tok_s=ROWS / bound_ms * 1e3,
+                     bound_mfu=flops(cfg, bs, s) / (bound_ms / 1e3) / 1e12
+                     / meta["gemm_ceiling_tflops"],
+                     hf_ms=hf_ms[key]["ms"], hf_tok_s=ROWS / hf_ms[key]["ms"] * 1e3,
+                     ours_ms=ours.get(key, {}).get("ms"))
+            r["ours_tok_s"] = ROWS / r["ours_ms"] * 1e3 if r["ours_ms"] else None
+            r["bound_over_hf"] = r["bound_tok_s"] / r["hf_tok_s"]
+            rows.append(r)
+            print(r, flush=True)
+            table.append([name, key, sum(gemms.values()) * cfg.num_layers / 1e3,
+                          best * cfg.num_layers / 1e3, min(attn, key=lambda a: attn[a] or 1e30),
+                          r["bound_tok_s"], r["bound_mfu"], r["hf_tok_s"], r["ours_tok_s"],
+                          r["bound_over_hf"],
+                          r["ours_tok_s"] / r["hf_tok_s"] if r["ours_tok_s"] else None])
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    md = ("Lower bound of an 8,192-token prefill = layers x (four projections at the faster "
+          "BLAS + the fastest causal attention); nothing else counted. tok/s at that bound "
+          "against transformers' and ours in the same run. `bound / hf`: the largest speed-up "
+          "over transformers any implementation with these kernels could reach.\n\n"
+          f"GEMM ceiling (8192^3 bf16): {meta['gemm_ceiling_tflops']:.0f} TFLOP/s\n\n"
+          + markdown_table(["model", "shape", "GEMMs ms", "attention ms", "fastest attention",
+                            "bound tok/s", "bound MFU", "hf tok/s", "ours tok/s", "bound / hf",
+                            "ours / hf"], table))
+    write_results(out_dir(), "bound", meta, {"rows": rows}, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
