@@ -153,3 +153,17 @@ def test_prompt_logprobs_unchanged(n, v, k) -> None:
 def test_invalid_params_assert(bad) -> None:
     with pytest.raises(AssertionError):
         SamplingParams(**bad)
+
+
+def test_last_row_alternatives_are_a_prefix_of_the_top_k() -> None:
+    """LastRow keeps the summary row and builds only the alternatives asked for: every n gives
+    the first n of the full top-k (clamped at k), the logprobs of log_softmax."""
+    x = torch.stack([logits(s) for s in range(3)])
+    lp = torch.log_softmax(x, -1)
+    for row, want in zip(last_rows(x), lp):
+        full = row.top
+        assert [t.id for t in full] == torch.topk(want, MAX_TOP_LOGPROBS).indices.tolist()
+        assert [t.logprob for t in full] == pytest.approx(
+            torch.topk(want, MAX_TOP_LOGPROBS).values.tolist(), abs=1e-6)
+        for n in (0, 1, 7, MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 5):
+            assert row.top_n(n) == full[:n]
