@@ -132,6 +132,12 @@ async def _part(p: Part) -> dict:
                 wall=wall, cpu=cpu)
 
 
+def _idle(seconds: float) -> None:
+    """A task that keeps one pool process busy: mapped once per client before the first level,
+    so every client process is started (and has imported this module) before any level."""
+    time.sleep(seconds)
+
+
 def split(total: int, parts: int) -> list[int]:
     """total as `parts` near-equal positive shares (fewer parts if total is smaller)."""
     parts = max(1, min(parts, total))
@@ -184,6 +190,7 @@ def sweep(url: str, args: argparse.Namespace) -> tuple[dict, list[dict]]:
     rows = []
     # NOTE: spawn, not fork: a forked child would inherit this process's httpx state
     with ProcessPoolExecutor(args.clients, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_idle, [0.5] * args.clients))
         for conc in args.concurrency:
             row = level(pool, url, conc, args, vocab)
             print(f"c={conc:3d} {row['prompt_tokens_per_s']:10.0f} tok/s  "
