@@ -13,6 +13,9 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.host import cuda_requirement, usable_cpus
+from service.model.config import model_name
+
 
 class ConfigError(Exception):
     """An environment variable has a value the service cannot use."""
@@ -21,7 +24,7 @@ class ConfigError(Exception):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", frozen=True)
 
-    mem_fraction_static: float = Field(0.85, gt=0.0, lt=1.0, description=(
+    mem_fraction_static: float = Field(0.85, gt=0.0, lt=1.0, allow_inf_nan=False, description=(
         "Fraction of the GPU memory free before the weights load that weights + CUDA graphs + "
         "KV pool may use (SGLang's meaning); the rest is reserve for activations."))
     model_path: str | None = Field(None, description=(
@@ -55,15 +58,32 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted.")
     max_queue_requests: int = Field(256, ge=1, description="Prompts waiting before 429.")
     max_batch_prompts: int = Field(256, ge=1, description="Prompts in one forward at most.")
-    api_key: str | None = Field(None, description="Bearer token required on POST endpoints.")
-    kv_cache_bytes: int = Field(256 << 20, ge=1 << 20, description=(
-        "KV pool size on CPU (no GPU memory to measure)."))
+    api_key: str | None = Field(None, description=(
+        "Bearer token required on POST endpoints; unset: no authentication. An empty value "
+        "stops start-up (it would silently disable authentication)."))
+    kv_cache_bytes: int | None = Field(None, ge=1 << 20, description=(
+        "KV pool size on CPU (no GPU memory to measure); default: room for two prompts of "
+        "the longest accepted length."))
+    cpu_threads: int = Field(0, ge=0, le=1024, description=(
+        "Threads of torch's CPU kernels; 0: the CPUs this process may use (affinity mask and "
+        "cgroup CPU quota, i.e. a Kubernetes CPU limit)."))
     dp_size: int = Field(1, ge=1, le=64)
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
-    drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0)
+    drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "On SIGTERM: seconds in-flight requests get to finish; the process exits at most "
+        "SHUTDOWN_MARGIN_S later."))
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body accepted.")
+    max_header_bytes: int = Field(64 << 10, ge=1024, le=16 << 20, description=(
+        "Largest request head (request line + headers); 431 beyond."))
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "Seconds a connection gets to send a complete request head; 408 and close beyond."))
+    body_timeout_s: float = Field(60.0, gt=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "Seconds a request gets to send its whole body once its head is in; 408 and close "
+        "beyond."))
+    max_connections: int = Field(2048, ge=1, description=(
+        "Open client connections at most; a connection beyond gets a 503 and is closed."))
     access_log: bool = Field(True, description=(
         "Log every HTTP request (uvicorn's access log). false: ~20 % more requests/s for short "
         "prompts, whose HTTP handling is most of their cost."))
@@ -98,6 +118,14 @@ class Settings(BaseSettings):
         """Operators write INFO or CUDA as often as info or cuda."""
         return v.strip().lower() if isinstance(v, str) else v
 
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("is empty, which would disable authentication: unset API_KEY to "
+                             "serve without authentication, or set a key")
+        return v
+
     @field_validator("model_preset")
     @classmethod
     def _preset(cls, v: str | None) -> str | None:
@@ -110,11 +138,23 @@ class Settings(BaseSettings):
         return v
 
 
+def clip(text: str, limit: int = 80) -> str:
+    """`text` cut to `limit` characters for echoing in a message."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def error_message(err: dict) -> str:
+    """A pydantic error's message, with "must be a number" for NaN and infinity."""
+    if err.get("type") == "finite_number":
+        return "must be a number (NaN and infinity are not allowed)"
+    return str(err.get("msg", "")).removeprefix("Value error, ")
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         name = str(e["loc"][0]).upper() if e["loc"] else "?"
-        lines.append(f"{name}={e.get('input')!r}: {e['msg']}")
+        lines.append(f"{name}={clip(repr(e.get('input')))}: {error_message(e)}")
     return "invalid configuration: " + "; ".join(lines)
 
 
@@ -131,7 +171,7 @@ class EngineConfig:
     max_prompt_tokens: int
     max_queue_requests: int
     max_batch_prompts: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None
     dp_size: int
     model_preset: str | None = None  # random weights of this preset shape (benchmarks)
     prefix_cache: bool = True
@@ -141,6 +181,7 @@ class EngineConfig:
     cuda_graph_full_max_seqs: int = 8
     cuda_graph_full_blas: str = "cublaslt"
     fold_norms: bool = True
+    cpu_threads: int = 0  # torch's CPU threads; 0: leave torch's own choice
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -154,8 +195,12 @@ class ServerConfig:
     drain_timeout_s: float
     log_level: str
     max_body_bytes: int
-    served_model_name: str | None = None
+    served_model_name: str = "model"
     access_log: bool = True
+    max_header_bytes: int = 64 << 10
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 2048
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -175,7 +220,8 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     elif device == "cuda" and not cuda_available:
-        raise ConfigError("DEVICE='cuda': no CUDA device is visible; use DEVICE=cpu or auto")
+        raise ConfigError(f"DEVICE='cuda': no CUDA device is visible. {cuda_requirement()}; "
+                          "use DEVICE=cpu to serve on the CPU")
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
@@ -205,10 +251,17 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
         cuda_graph_full_max_seqs=settings.cuda_graph_full_max_seqs,
         cuda_graph_full_blas=settings.cuda_graph_full_blas,
         fold_norms=settings.fold_norms,
+        cpu_threads=settings.cpu_threads or usable_cpus(),
     )
     srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
                        drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
                        max_body_bytes=settings.max_body_bytes,
                        access_log=settings.access_log,
-                       served_model_name=settings.served_model_name or None)
+                       served_model_name=(settings.served_model_name
+                                          or model_name(settings.model_path,
+                                                        settings.model_preset)),
+                       max_header_bytes=settings.max_header_bytes,
+                       header_timeout_s=settings.header_timeout_s,
+                       body_timeout_s=settings.body_timeout_s,
+                       max_connections=settings.max_connections)
     return eng, srv

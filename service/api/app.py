@@ -69,7 +69,8 @@ def create_app(settings: Settings | None = None, *, engine_cfg: EngineConfig | N
     """
     eng_cfg, srv_cfg = _configs(settings, engine_cfg, server_cfg)
     factory = engine_factory or default_engine_factory
-    metrics = Metrics(lambda: state.snapshot())  # `state` is bound below, before any scrape
+    # `state` is bound below, before any scrape
+    metrics = Metrics(lambda: state.snapshot(), srv_cfg.served_model_name)
     scheduler = Scheduler(lambda: factory(eng_cfg), max_queue=eng_cfg.max_queue_requests,
                           max_batch_prompts=eng_cfg.max_batch_prompts,
                           prefix_cache=eng_cfg.prefix_cache, observer=metrics)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.config import error_message
 from service.engine.kv_pool import KVPoolExhausted
 from service.engine.request import ForwardFailed, NotReady, QueueFull
 
@@ -71,6 +74,18 @@ def error_body(message: str, type_: str, param: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def error_bytes(message: str, type_: str, param: str | None = None,
+                code: str | int | None = None) -> bytes:
+    """`error_body` as JSON bytes; ASCII-escaped, so any string a client sent (lone surrogates
+    included) can be echoed."""
+    return json.dumps(error_body(message, type_, param, code)).encode()
+
+
+class ErrorResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content).encode()
+
+
 def _loc(loc: tuple) -> str:
     """("body", "input_ids", "list[list[int]]", 1, 0) -> "input_ids[1][0]"."""
     out = ""
@@ -103,7 +118,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, first = [], None
     for e in errs[:4]:
         field = _loc(tuple(e.get("loc", ())))
-        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        msg = error_message(e)
         first = first or field or None
         parts.append(f"{field}: {msg}" if field else msg)
     return "invalid request: " + "; ".join(dict.fromkeys(parts)), first
@@ -115,7 +130,6 @@ def install(app: FastAPI, count: Callable[[str], None]) -> None:
     def respond(exc: BaseException, message: str, param: str | None,
                 code: str | None) -> JSONResponse:
         status, type_, label = classify(exc)
-        count(label)
         headers = {}
         for cls, secs in RETRY_AFTER_S.items():
             if isinstance(exc, cls):
@@ -124,8 +138,10 @@ def install(app: FastAPI, count: Callable[[str], None]) -> None:
             headers["WWW-Authenticate"] = "Bearer"
         if status == 500:
             log.warning("%d: %s", status, message)
-        return JSONResponse(error_body(message, type_, param, code or status), status,
-                            headers=headers)
+        response = ErrorResponse(error_body(message, type_, param, code or status), status,
+                                 headers=headers)
+        count(label)
+        return response
 
     @app.exception_handler(ServiceError)
     async def _service(_: Request, exc: ServiceError) -> JSONResponse:
@@ -155,5 +171,5 @@ def install(app: FastAPI, count: Callable[[str], None]) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_, None, exc.status_code),
-                            exc.status_code, headers=getattr(exc, "headers", None))
+        return ErrorResponse(error_body(str(exc.detail), type_, None, exc.status_code),
+                             exc.status_code, headers=getattr(exc, "headers", None))

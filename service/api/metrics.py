@@ -2,7 +2,8 @@
 
 Gauges that mirror engine numbers are read at scrape time from a plain-number snapshot; the
 counters and histograms are fed by the scheduler's observer hooks (called from the engine thread;
-prometheus_client is thread-safe) and by the routes.
+prometheus_client is thread-safe) and by the routes. Every series carries the served model's name
+as `model_name`, the label routers and autoscalers select on (as vLLM's metrics do).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "mem_fraction_static": ("prefill_mem_fraction_static",
                             "MEM_FRACTION_STATIC: share of free memory for weights+graphs+KV."),
     "queue_requests": ("prefill_queue_requests", "Prompts waiting for admission."),
+    "queue_limit_requests": ("prefill_queue_limit_requests",
+                             "MAX_QUEUE_REQUESTS: queued prompts beyond which requests get 429."),
+    "running_requests": ("prefill_running_requests",
+                         "Prompts admitted to the engine and not finished (in a forward or "
+                         "between chunks)."),
     "ready": ("prefill_ready", "1 when the service accepts prefill requests."),
 }
 
@@ -49,60 +55,64 @@ _POW2 = tuple(float(1 << i) for i in range(0, 18))  # 1 .. 131072
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, float]]):
-        self._snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], dict[str, float]], model_name: str):
+        self._snapshot, self._model = snapshot, model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self._snapshot()
         for key, (name, doc) in ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=float(snap.get(key, 0.0)))
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], float(snap.get(key, 0.0)))
+            yield g
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         for _, (name, doc) in ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(name, doc)
+            yield GaugeMetricFamily(name, doc, labels=["model_name"])
 
 
 class Metrics:
     """The app's metrics; also the scheduler's Observer."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, float]]):
+    def __init__(self, snapshot: Callable[[], dict[str, float]], model_name: str):
         # NOTE: process-wide switch; `*_created` series only add noise to every dashboard query.
         disable_created_metrics()
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("prefill_requests", "HTTP API requests by outcome.", ["status"],
-                                registry=r)
+        m = {"model_name": model_name}
+        self._requests = Counter("prefill_requests", "HTTP API requests by outcome.",
+                                 ["status", "model_name"], registry=r)
         self.prompt_tokens = Counter("prefill_prompt_tokens", "Prompt tokens prefilled.",
-                                     registry=r)
+                                     ["model_name"], registry=r).labels(**m)
         self.cached_tokens = Counter("prefill_cached_tokens",
-                                     "Prompt tokens served from the prefix cache.", registry=r)
-        self.forwards = Counter("prefill_forwards", "Model forwards by execution mode.", ["mode"],
-                                registry=r)
+                                     "Prompt tokens served from the prefix cache.",
+                                     ["model_name"], registry=r).labels(**m)
+        forwards = Counter("prefill_forwards", "Model forwards by execution mode.",
+                           ["mode", "model_name"], registry=r)
         self.ttft = Histogram("prefill_time_to_first_token_seconds",
-                              "Arrival to first token, per prompt.", buckets=_SECONDS, registry=r)
-        self.forward_seconds = Histogram("prefill_forward_seconds", "Duration of one forward.",
-                                         ["mode"], buckets=_SECONDS, registry=r)
+                              "Arrival to first token, per prompt.", ["model_name"],
+                              buckets=_SECONDS, registry=r).labels(**m)
+        forward_seconds = Histogram("prefill_forward_seconds", "Duration of one forward.",
+                                    ["mode", "model_name"], buckets=_SECONDS, registry=r)
         self.batch_tokens = Histogram("prefill_batch_tokens", "Tokens in one forward.",
-                                      buckets=_POW2, registry=r)
+                                      ["model_name"], buckets=_POW2, registry=r).labels(**m)
         self.batch_requests = Histogram("prefill_batch_requests", "Prompts in one forward.",
-                                        buckets=_POW2[:10], registry=r)
+                                        ["model_name"], buckets=_POW2[:10],
+                                        registry=r).labels(**m)
         self.queue_wait = Histogram("prefill_queue_wait_seconds",
-                                    "Arrival to admission, per prompt.", buckets=_SECONDS,
-                                    registry=r)
-        for s in REQUEST_STATUSES:
-            self.requests.labels(s)
-        for m in FORWARD_MODES:
-            self.forwards.labels(m)
-            self.forward_seconds.labels(m)
-        r.register(_EngineCollector(snapshot))
+                                    "Arrival to admission, per prompt.", ["model_name"],
+                                    buckets=_SECONDS, registry=r).labels(**m)
+        self.requests = {s: self._requests.labels(status=s, **m) for s in REQUEST_STATUSES}
+        self.forwards = {f: forwards.labels(mode=f, **m) for f in FORWARD_MODES}
+        self.forward_seconds = {f: forward_seconds.labels(mode=f, **m) for f in FORWARD_MODES}
+        r.register(_EngineCollector(snapshot, model_name))
 
     def count(self, status: str) -> None:
         assert status in REQUEST_STATUSES, f"unknown request status {status!r}"
-        self.requests.labels(status).inc()
+        self.requests[status].inc()
 
     # ---- scheduler Observer hooks (engine thread) --------------------------------------------
     def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None:
-        self.forwards.labels(mode).inc()
-        self.forward_seconds.labels(mode).observe(seconds)
+        self.forwards[mode].inc()
+        self.forward_seconds[mode].observe(seconds)
         self.batch_tokens.observe(tokens)
         self.batch_requests.observe(requests)
 

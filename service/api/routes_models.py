@@ -16,7 +16,5 @@ async def list_models(state: State) -> ModelList:
     if state.engine is None:
         require_ready(state)  # 503 while loading: the model id is not known yet
     card = ModelCard(id=state.model_name, created=state.created, root=state.engine.model_path,
-                     # what can actually run: a longer prompt than the KV pool holds gets 503
-                     max_model_len=min(state.max_prompt_tokens,
-                                       state.engine.pool.capacity_tokens))
+                     max_model_len=state.max_prompt_tokens)
     return ModelList(data=[card])

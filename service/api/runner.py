@@ -11,6 +11,7 @@ from starlette.types import Receive
 
 from service.api.errors import BadInput, ClientDisconnected, ModelNotFound, PromptTooLong
 from service.api.state import AppState
+from service.config import clip
 from service.engine.request import NotReady, PromptResult, Request
 from service.engine.sampling import SamplingParams
 
@@ -33,7 +34,7 @@ async def off_loop(http: HTTPRequest, fn: Callable[..., T], *args) -> T:
 
 def check_model(state: AppState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise ModelNotFound(f"the model `{model}` does not exist; this server serves "
+        raise ModelNotFound(f"the model `{clip(model)}` does not exist; this server serves "
                             f"`{state.model_name}` (see /v1/models)", "model", "model_not_found")
 
 
@@ -45,14 +46,26 @@ def require_ready(state: AppState) -> None:
         raise NotReady(f"engine is {state.scheduler.state}{err}")
 
 
+def _too_long(name: str, count: str, state: AppState) -> PromptTooLong:
+    limit, why = state.prompt_limit
+    return PromptTooLong(f"{name} has {count} tokens; the limit is {limit} ({why})", name,
+                         "context_length_exceeded")
+
+
 def encode_texts(state: AppState, texts: Sequence[str], field: str,
                  single: bool) -> list[list[int]]:
+    """Token ids of each text; an over-long text is refused after about the limit's worth of
+    tokenizing, however long it is."""
     out = []
+    limit = state.max_prompt_tokens
     for i, text in enumerate(texts):
         name = field if single else f"{field}[{i}]"
         if not text:
             raise BadInput(f"{name} is empty", name)
-        out.append(state.engine.tokenizer.encode(text))
+        ids = state.engine.tokenizer.encode_within(text, limit)
+        if ids is None:
+            raise _too_long(name, f"more than {limit}", state)
+        out.append(ids)
     return check_ids(state, out, field, single)
 
 
@@ -68,9 +81,7 @@ def check_ids(state: AppState, prompts: list[list[int]], field: str,
         if not ids:
             raise BadInput(f"{name} is empty (no tokens)", name)
         if len(ids) > limit:
-            raise PromptTooLong(f"{name} has {len(ids)} tokens; the limit is {limit} "
-                                "(MAX_PROMPT_TOKENS, capped by the model's context length)",
-                                name, "context_length_exceeded")
+            raise _too_long(name, str(len(ids)), state)
         if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; locate the culprit only then
             j, t = next((j, t) for j, t in enumerate(ids) if not 0 <= t < vocab)
             raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from service.engine.sampling import MAX_TOP_LOGPROBS
 
+
+def _unicode(text: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"); no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} "
+                         f"at character {e.start}") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
 TokenIds = list[StrictInt]
 
 
@@ -16,8 +36,9 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy (the default).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False,
+                               description="0 = greedy (the default).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, description="0 = off.")
     seed: int | None = Field(None, ge=0, lt=1 << 63,
                              description="Same seed + same prompt = same token.")
@@ -26,9 +47,9 @@ class _Sampling(BaseModel):
 class PrefillRequest(_Sampling):
     """Exactly one of `prompt` (one text), `prompts` (texts) or `input_ids` (one or many)."""
 
-    model: str | None = Field(None, description="Optional; must name the served model if set.")
-    prompt: StrictStr | None = None
-    prompts: list[StrictStr] | None = Field(None, min_length=1)
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    prompt: Text | None = None
+    prompts: list[Text] | None = Field(None, min_length=1)
     input_ids: TokenIds | list[TokenIds] | None = Field(None, min_length=1)
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
                               description="Alternatives reported for the next token.")
@@ -81,8 +102,8 @@ class PrefillResponse(BaseModel):
 class CompletionRequest(_Sampling):
     """The OpenAI legacy completions request, limited to what one prefill can answer."""
 
-    model: str | None = Field(None, description="Optional; must name the served model if set.")
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0, description="0 or 1 (default 1) in this service.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -90,12 +111,13 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # no effect on a first token
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # no effect on a first token
-    logit_bias: dict[str, float] | None = None
-    suffix: str | None = None
-    user: str | None = None
+    stop: Text | list[Text] | None = None
+    # no effect on a first token
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[Text, float] | None = None
+    suffix: Text | None = None
+    user: Text | None = None
 
 
 class CompletionLogprobs(BaseModel):

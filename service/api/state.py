@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from service.api.metrics import Metrics
 from service.config import EngineConfig, ServerConfig
@@ -40,21 +39,22 @@ class AppState:
 
     @property
     def model_name(self) -> str:
-        if self.server_cfg.served_model_name:
-            return self.server_cfg.served_model_name
-        if self.engine_cfg.model_preset:
-            return f"random-{self.engine_cfg.model_preset}"
-        if self.engine is None:
-            return "loading"
-        path = Path(self.engine.model_path)
-        return path.stem if path.suffix == ".gguf" else path.name
+        return self.server_cfg.served_model_name
+
+    @property
+    def prompt_limit(self) -> tuple[int, str]:
+        """The longest prompt that can run, and which limit sets it: MAX_PROMPT_TOKENS, the
+        model's context length or the KV pool (a longer prompt could never be admitted)."""
+        limits = [(self.engine_cfg.max_prompt_tokens, "MAX_PROMPT_TOKENS")]
+        if self.engine is not None:
+            limits += [(self.engine.model_cfg.max_position_embeddings,
+                        "the model's context length"),
+                       (self.engine.pool.capacity_tokens, "the KV pool's capacity")]
+        return min(limits, key=lambda x: x[0])
 
     @property
     def max_prompt_tokens(self) -> int:
-        limit = self.engine_cfg.max_prompt_tokens
-        if self.engine is not None:
-            limit = min(limit, self.engine.model_cfg.max_position_embeddings)
-        return limit
+        return self.prompt_limit[0]
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -64,6 +64,8 @@ class AppState:
         snap: dict[str, float] = {
             "mem_fraction_static": self.engine_cfg.mem_fraction_static,
             "queue_requests": self.scheduler.queue_depth,
+            "queue_limit_requests": self.engine_cfg.max_queue_requests,
+            "running_requests": self.scheduler.running,
             "ready": 1.0 if self.ready else 0.0,
         }
         eng = self.engine

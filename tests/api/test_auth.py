@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.api.conftest import metric
+
 
 @pytest.fixture
 def secured(make_app):
@@ -31,7 +33,8 @@ def test_open_endpoints_and_valid_key(secured) -> None:
     assert r.status_code == 200
     assert secured.get("/v1/models", headers=ok).status_code == 200
     secured.post("/v1/prefill", json={"prompt": "Hi"})
-    assert 'prefill_requests_total{status="unauthorized"} 1.0' in secured.get("/metrics").text
+    assert metric(secured.get("/metrics").text, "prefill_requests_total",
+                  status="unauthorized") == 1
 
 
 def test_no_key_configured_is_open(api) -> None:

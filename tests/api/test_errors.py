@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
 
-from tests.api.conftest import FAULT_TOKEN, wait_for
+from tests.api.conftest import FAULT_TOKEN, metric, wait_for
 
 
 async def until(cond, timeout: float = 30.0) -> None:
@@ -86,10 +87,34 @@ def test_oversized_body(make_app) -> None:
     assert live.post("/v1/prefill", json={"prompt": "Hi"}).status_code == 200
 
 
-def test_never_fits_kv_pool_is_503(api, core) -> None:
-    cap = core.pool.capacity_tokens
-    r = api.post("/v1/prefill", json={"input_ids": [7] * (cap + 1)})
-    assert r.status_code == 503 and "KV pages" in r.json()["error"]["message"]
+def test_prompt_longer_than_the_kv_pool_is_400_and_limits_say_so(make_app, core) -> None:
+    """A prompt the pool can never hold is the client's error (a 503 would be retried forever),
+    and /info and /v1/models advertise the limit that binds."""
+    from pathlib import Path
+
+    from service.engine.core import EngineCore
+    from service.model.loader import LoadedModel
+    from tests.api.conftest import configs
+
+    loaded = LoadedModel(core.model, core.tokenizer, core.model_cfg, Path(core.model_path), 0.0)
+    small = EngineCore(configs(kv_cache_bytes=4 << 20)[0], loaded=loaded)  # 80 tokens on CPU
+    cap = small.pool.capacity_tokens
+    assert cap < core.model_cfg.max_position_embeddings
+    live = make_app(engine_factory=lambda cfg: small)
+    assert live.get("/info").json()["limits"]["max_prompt_tokens"] == cap
+    assert live.get("/v1/models").json()["data"][0]["max_model_len"] == cap
+    r = live.post("/v1/prefill", json={"input_ids": [7] * (cap + 1)})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "input_ids"
+    assert f"the limit is {cap} (the KV pool's capacity)" in err["message"]
+    assert live.post("/v1/prefill", json={"input_ids": [7] * cap}).status_code == 200
+
+
+def test_default_cpu_pool_holds_a_maximum_length_prompt(api, core) -> None:
+    limit = api.get("/info").json()["limits"]["max_prompt_tokens"]
+    assert limit == core.model_cfg.max_position_embeddings  # the context, not the pool, binds
+    assert core.pool.capacity_tokens >= limit
 
 
 def test_queue_full_is_429(make_app) -> None:
@@ -132,7 +157,7 @@ def test_failing_batch_fails_only_itself(api) -> None:
     assert after.json()["results"][0]["next_token"]["text"] == " Paris"
     assert api.get("/health").status_code == 200
     assert api.state.scheduler.kv_used_tokens == 0
-    assert 'prefill_requests_total{status="error"} 1.0' in api.get("/metrics").text
+    assert metric(api.get("/metrics").text, "prefill_requests_total", status="error") == 1
 
 
 def test_client_disconnect_frees_kv_pages(api, core) -> None:
@@ -154,15 +179,15 @@ def test_client_disconnect_frees_kv_pages(api, core) -> None:
     wait_for(lambda: api.state.scheduler.kv_used_tokens == 0, 5, "KV pages freed")
     assert not any(4242 in ids for f in api.engine.forwards for ids in f), "cancelled prompt ran"
     metrics = api.get("/metrics").text
-    assert 'prefill_requests_total{status="cancelled"} 2.0' in metrics
-    assert "prefill_kv_used_tokens 0.0" in metrics
+    assert metric(metrics, "prefill_requests_total", status="cancelled") == 2
+    assert metric(metrics, "prefill_kv_used_tokens") == 0
     api.engine.delay_s = 0
     assert api.post("/v1/prefill", json={"prompt": "Hi"}).status_code == 200
 
 
 def test_unexpected_error_is_a_counted_json_500(api) -> None:
     class Broken:
-        def encode(self, text: str) -> list[int]:
+        def encode_within(self, text: str, limit: int) -> list[int]:
             raise ZeroDivisionError("tokenizer exploded")
 
     async def call():
@@ -177,6 +202,84 @@ def test_unexpected_error_is_a_counted_json_500(api) -> None:
         del api.engine.tokenizer
     assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
     assert "ZeroDivisionError: tokenizer exploded" in r.json()["error"]["message"]
-    assert 'prefill_requests_total{status="error"} 1.0' in api.get("/metrics").text
+    assert metric(api.get("/metrics").text, "prefill_requests_total", status="error") == 1
     ok = api.post("/v1/prefill", json={"prompt": "The capital of France is"})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/prefill", "/v1/completions"])
+@pytest.mark.parametrize("extra", [{"temperature": 1e-300}, {"temperature": 1e-45},
+                                   {"temperature": 1.0, "top_p": 1e-300}])
+def test_tiny_temperature_and_top_p_sample_the_greedy_token(api, route, extra) -> None:
+    body = {"prompt": "The capital of France is", "seed": 3, **extra}
+    r = api.post(route, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    text = (out["results"][0]["next_token"]["text"] if route == "/v1/prefill"
+            else out["choices"][0]["text"])
+    assert text == " Paris"
+
+
+SURROGATE = "caf\ud800"
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/prefill", {"prompt": SURROGATE}, "prompt"),
+    ("/v1/prefill", {"prompts": ["ok", SURROGATE]}, "prompts[1]"),
+    ("/v1/prefill", {"prompt": "ok", "model": SURROGATE}, "model"),
+    ("/v1/completions", {"prompt": SURROGATE}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", SURROGATE]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "ok", "model": SURROGATE}, "model"),
+])
+def test_lone_surrogate_is_a_400_naming_the_field_counted_once(api, route, body, param) -> None:
+    content = json.dumps(body)  # ASCII JSON with a \ud800 escape: valid JSON, invalid Unicode
+    r = api.post(route, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "not valid Unicode" in err["message"], err
+    metrics = api.get("/metrics").text
+    assert metric(metrics, "prefill_requests_total", status="bad_request") == 1
+    assert metric(metrics, "prefill_requests_total", status="error") == 0
+
+
+def test_a_huge_model_name_is_not_echoed_in_full(api) -> None:
+    r = api.post("/v1/prefill", json={"prompt": "Hi", "model": "m" * (1 << 20)})
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert len(message) < 500 and "1048576 characters" in message
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_nan_sampling_values_must_be_numbers(api, field, value) -> None:
+    content = f'{{"prompt": "Hi", "{field}": {value}}}'
+    for route in ("/v1/prefill", "/v1/completions"):
+        r = api.post(route, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "must be a number" in err["message"], err
+
+
+def test_an_over_long_text_is_refused_without_tokenizing_all_of_it(api, monkeypatch) -> None:
+    """A multi-megabyte prompt costs about the limit's worth of tokenizing, not its own size:
+    the whole text is never handed to the tokenizer."""
+    tok = api.engine.tokenizer.tok
+    seen: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text, *a, **kw):
+            seen.append(len(text))
+            return tok.encode(text, *a, **kw)
+
+    monkeypatch.setattr(api.engine.tokenizer, "tok", Counting())
+    prompt = "The quick brown fox jumps over the lazy dog. " * 45_000  # 2 MB
+    r = api.post("/v1/prefill", json={"prompt": prompt})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "more than 8192 tokens" in err["message"]
+    assert sum(seen) < len(prompt) // 10, seen
+    r = api.post("/v1/prefill", json={"prompt": "7" * 9000})  # one token per digit: exact count
+    assert r.status_code == 400 and "9000 tokens; the limit is 8192" in r.json()["error"]["message"]

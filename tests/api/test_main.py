@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import free_port, wait_for
+from tests.api.conftest import free_port, metric, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path) -> None:
         t = threading.Thread(target=lambda: slow.update(
             r=httpx.post(url + "/v1/prefill", json=body, timeout=60)))
         t.start()
-        wait_for(lambda: "prefill_kv_used_tokens 0.0" not in httpx.get(url + "/metrics").text,
+        wait_for(lambda: metric(httpx.get(url + "/metrics").text, "prefill_kv_used_tokens") > 0,
                  20, "the slow request to be running")
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)

@@ -13,7 +13,7 @@ GAUGES = [
     "prefill_graph_retained_input_bytes", "prefill_kv_capacity_tokens", "prefill_kv_memory_bytes",
     "prefill_kv_used_tokens", "prefill_kv_usage_ratio", "prefill_weights_memory_bytes",
     "prefill_mem_fraction_static", "prefill_queue_requests", "prefill_ready",
-    "prefill_graph_buckets",
+    "prefill_graph_buckets", "prefill_queue_limit_requests", "prefill_running_requests",
 ]
 COUNTERS = {  # family name (without _total) -> label values that must exist from the start
     "prefill_requests": {"status": {"ok", "bad_request", "rejected", "error", "cancelled",
@@ -44,7 +44,10 @@ def test_every_metric_exists_before_traffic(api) -> None:
         assert fam.type == ("counter" if name in COUNTERS else "histogram"), name
         for key, values in labels.items():
             assert {s.labels[key] for s in fam.samples if key in s.labels} == values, name
+    every = [smp for fam in fams.values() if fam.name.startswith("prefill_") for smp in fam.samples]
+    assert every and {smp.labels.get("model_name") for smp in every} == {api.state.model_name}
     value = {n: fams[n].samples[0].value for n in GAUGES}
+    assert value["prefill_queue_limit_requests"] == 256 and value["prefill_running_requests"] == 0
     assert value["prefill_ready"] == 1.0 and value["prefill_kv_capacity_tokens"] > 0
     assert value["prefill_kv_memory_bytes"] > 0 and value["prefill_weights_memory_bytes"] > 0
     assert value["prefill_mem_fraction_static"] == 0.85

@@ -85,6 +85,22 @@ def test_top_k_and_top_p_restrict_support() -> None:
     assert SamplingParams(temperature=0.7, top_k=1).greedy
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 1e-45, 5e-324])
+def test_tiny_temperature_is_greedy(temperature) -> None:
+    """Any temperature the schema accepts (> 0) gives a valid draw; tiny ones are the argmax."""
+    x = logits(4) * 30
+    for s in range(5):
+        assert choose(x, SamplingParams(temperature=temperature, seed=s), None) == int(x.argmax())
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 5e-324])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p) -> None:
+    x = logits(5)
+    for t in (0.5, 1.0, 100.0):
+        assert choose(x, SamplingParams(temperature=t, top_p=top_p, seed=1), None) == int(
+            x.argmax())
+
+
 def test_reported_logprob_is_raw_distribution_when_sampling() -> None:
     x = logits(3)
     out = first(x, SamplingParams(temperature=0.3, seed=9))

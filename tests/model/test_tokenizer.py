@@ -56,3 +56,30 @@ def test_digits_are_split_like_smollm2(toks):
     ours, _ = toks
     ids = ours.encode("2024 12345")
     assert [ours.decode([i]) for i in ids] == ["2", "0", "2", "4", " ", "1", "2", "3", "4", "5"]
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_encode_within_a_limit_is_encode_for_long_texts(toks, name):
+    """Counting a long text piece by piece never refuses one within the limit: at the exact
+    token count it returns `encode`'s ids, one token less and it refuses."""
+    from service.model.tokenizer import PIECE_CHARS
+
+    ours, _ = toks
+    text = (TEXTS[name] + " ") * (3 * PIECE_CHARS // len(TEXTS[name]))  # three pieces or more
+    assert len(text) > 2 * PIECE_CHARS
+    ids = ours.encode(text)
+    assert ours.encode_within(text, len(ids)) == ids
+    assert ours.encode_within(text, len(ids) + 1000) == ids
+    assert ours.encode_within(text, len(ids) // 2) is None
+
+
+def test_encode_within_stops_counting_early(toks, monkeypatch):
+    from service.model.tokenizer import PIECE_CHARS
+
+    ours, _ = toks
+    seen: list[int] = []
+    real = ours.tok.encode
+    monkeypatch.setattr(ours, "tok", type("T", (), {"encode": staticmethod(
+        lambda text, **kw: seen.append(len(text)) or real(text, **kw))})())
+    assert ours.encode_within("7" * 5_000_000, 8192) is None  # one token per digit
+    assert sum(seen) <= PIECE_CHARS
