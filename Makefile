@@ -1,33 +1,42 @@
-# Targets are the README's commands. `make run` and `make test` install what they need first.
+# Targets are the README's commands. `make run` and `make test` install what they need first:
+# `run` the service and its dependencies, `test` the same plus the test extras (transformers,
+# matplotlib, ruff, ...). Each install leaves a stamp; a changed pyproject.toml or install script
+# makes it run again, and `make test` after `make run` adds the extras.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install run test test-gpu lint format bench-attention bench-capture bench-e2e clean
 
-$(STAMP): pyproject.toml scripts/install.sh
-	EXTRAS=test VENV=$(VENV) ./scripts/install.sh
-	touch $(STAMP)
+$(RUN_STAMP): pyproject.toml scripts/install.sh
+	VENV=$(VENV) ./scripts/install.sh
+	touch $@
 
-install: $(STAMP)
+# The test install holds everything the run install does, so it stamps both.
+$(TEST_STAMP): pyproject.toml scripts/install.sh
+	EXTRAS=test VENV=$(VENV) ./scripts/install.sh
+	touch $@ $(RUN_STAMP)
+
+install: $(RUN_STAMP)
 
 ## Start the service on the embedded default model (SmolLM2-135M-Instruct) on :8000.
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(PY) -m service
 
 ## The CPU test suite (kernels under Triton's interpreter, model parity, engine, API, deploy).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	./scripts/test-tools.sh
 	$(PY) -m pytest -q
 
 ## Tests that need CUDA (run on a GPU machine).
-test-gpu: $(STAMP)
+test-gpu: $(TEST_STAMP)
 	$(PY) -m pytest -q -m gpu
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(PY) -m ruff check .
 
-format: $(STAMP)
+format: $(TEST_STAMP)
 	$(PY) -m ruff format .
 
 bench-attention:

@@ -1,22 +1,43 @@
-"""`python -m service` / `triton-prefill`: read settings once, log, serve, drain on SIGTERM.
+"""`python -m service` / `triton-prefill`: read settings once, bind, serve, drain on SIGTERM.
 
-SIGTERM (or Ctrl+C) starts a drain: /ready and new POSTs answer 503 while the listener stays open
-(so Kubernetes sees the pod leave its endpoints), in-flight requests finish for up to
-DRAIN_TIMEOUT_S, then uvicorn shuts down and the process exits 0. A second signal exits at once.
+Start-up, failing fast and with one line on stderr: the settings (exit 2 naming the variable),
+the listening address (exit 1 when HOST/PORT cannot be bound), the model path (exit 1 when it
+cannot be a model); then the service listens, /ready answering 503 until the model is loaded,
+graphs are captured and the KV pool is sized. A load failure exits 1 (its traceback is logged
+at LOG_LEVEL=debug).
+
+Shutdown: SIGTERM (or Ctrl+C) starts a drain: /ready and new POSTs answer 503 with
+`Connection: close` while the listener stays open (so Kubernetes sees the pod leave its
+endpoints), and in-flight requests get DRAIN_TIMEOUT_S to finish. What is still in flight then,
+or when a second signal arrives, gets a JSON 503 (retryable on another replica). The process
+exits 0 at most SHUTDOWN_MARGIN_S after the drain ends, without waiting for a forward still
+running on the engine thread.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import socket
 import sys
+import threading
 import time
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from service.config import ConfigError, load_settings, resolve
+from service.config import ConfigError, ServerConfig, Settings, load_settings, resolve
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("service")
+
+SHUTDOWN_MARGIN_S = 5.0  # drain end -> exit: answer what is in flight, close, stop the engine
+RESPONSE_FLUSH_S = 2.0  # of that margin: in-flight requests' last responses going out
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class DrainingServer(uvicorn.Server):
@@ -24,6 +45,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline: float | None = None
+        self.signals: list[int] = []
         self.exit_code = 0
 
     @property
@@ -31,44 +53,128 @@ class DrainingServer(uvicorn.Server):
         return self.config.app.state.prefill
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # NOTE: not recorded in _captured_signals: uvicorn would re-raise it after shutdown and
-        # the process would die by SIGTERM instead of exiting 0.
-        if self.drain_deadline is not None or self.should_exit:
-            log.warning("second signal %d: exiting without waiting", sig)
-            self.should_exit = self.force_exit = True
-            return
-        log.info("signal %d: draining for up to %.0fs (%d requests in flight)", sig,
-                 self.drain_timeout_s, self._state.active_requests)
-        self._state.begin_drain()
-        self.drain_deadline = time.monotonic() + self.drain_timeout_s
+        # NOTE: a signal handler runs between two bytecodes of the event-loop thread, which may
+        # hold the scheduler's lock right then: set flags only; on_tick acts on them. Not
+        # recorded in uvicorn's _captured_signals: it would re-raise the signal after shutdown
+        # and the process would die by SIGTERM instead of exiting 0.
+        self.signals.append(sig)
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+            self._state.begin_drain()
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
-            idle = self._state.active_requests == 0 and self._state.scheduler.in_flight == 0
-            if idle or time.monotonic() >= self.drain_deadline:
-                if not idle:
-                    log.warning("drain timeout: %d requests still in flight",
-                                self._state.active_requests)
-                self.should_exit = True
+            self._drain_step()
         return await super().on_tick(counter)
 
+    def _drain_step(self) -> None:
+        state = self._state
+        if len(self.signals) == 1 and not getattr(self, "_announced", False):
+            self._announced = True
+            log.info("signal %d: draining for up to %gs (%d requests in flight)",
+                     self.signals[0], self.drain_timeout_s, state.active_requests)
+        if state.active_requests == 0 and state.scheduler.in_flight == 0:
+            self.should_exit = True
+            return
+        why = ("second signal" if len(self.signals) > 1 else
+               "drain timeout" if time.monotonic() >= self.drain_deadline else None)
+        if why is None:
+            return
+        from service.engine.request import NotReady
+
+        n = state.scheduler.abort(NotReady("server is shutting down; retry on another replica"))
+        log.warning("%s: answering %d requests in flight with 503", why, state.active_requests
+                    or n)
+        self.should_exit = True
+
     def fatal(self, message: str) -> None:
-        log.error("exiting: %s", message)
+        log.error("%s", message)
         self.exit_code = 1
         self.should_exit = True
 
 
-def main() -> None:
-    try:
-        settings = load_settings()
-        import torch
+def uvicorn_config(app: FastAPI, server_cfg: ServerConfig, **overrides: Any) -> uvicorn.Config:
+    """The server around `app`: the guarded HTTP protocol (service.api.protocol), no WebSocket,
+    RESPONSE_FLUSH_S for the last responses at shutdown."""
+    from service.api.protocol import ConnectionLimits, GuardedProtocol
 
+    limits = ConnectionLimits(server_cfg.max_header_bytes, server_cfg.header_timeout_s,
+                              server_cfg.body_timeout_s, server_cfg.max_connections)
+    state = app.state.prefill
+    protocol = functools.partial(GuardedProtocol, limits=limits, count=state.metrics.count,
+                                 refusal=state.refusal)
+    kw = dict(http=protocol, ws="none", lifespan="on", log_level=server_cfg.log_level,
+              access_log=server_cfg.access_log, timeout_graceful_shutdown=RESPONSE_FLUSH_S,
+              log_config=None)
+    return uvicorn.Config(app, **{**kw, **overrides})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads (a taken port fails at once)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on HOST={host!r} PORT={port}: "
+                          f"{e.strerror or e}") from None
+    return sock
+
+
+def watchdog(server: DrainingServer) -> None:
+    """Exit however shutdown is going once the drain plus the margin is over: the bound the
+    README and the Kubernetes grace period rely on."""
+    while True:
+        time.sleep(0.25)
+        deadline = server.drain_deadline
+        if deadline is not None and time.monotonic() > deadline + SHUTDOWN_MARGIN_S:
+            log.error("shutdown took more than DRAIN_TIMEOUT_S + %gs: exiting now",
+                      SHUTDOWN_MARGIN_S)
+            exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    """Flush the logs and end the process without waiting for the engine thread (a forward may
+    still be running there; interpreter shutdown around it could abort)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def fail(message: str, code: int) -> None:
+    print(f"triton-prefill: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def start(settings: Settings) -> tuple[DrainingServer, socket.socket]:
+    """Check, bind and build everything before serving; exits with one line on a failure."""
+    try:
+        sock = bind(settings.host, settings.port)
+    except ConfigError as e:
+        fail(str(e), 1)
+    from service.model.errors import ModelLoadError
+    from service.model.loader import check_model_path
+
+    try:
+        check_model_path(settings.model_path)
+    except ModelLoadError as e:
+        fail(f"MODEL_PATH: {e}", 1)
+    import torch
+
+    from service.host import cuda_requirement, describe_cpus, driver_version
+
+    try:
         engine_cfg, server_cfg = resolve(settings, torch.cuda.is_available())
     except ConfigError as e:
-        print(f"triton-prefill: {e}", file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(level=server_cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        fail(str(e), 2)
+    if settings.device == "auto" and engine_cfg.device == "cpu" and driver_version():
+        log.warning("an NVIDIA driver is loaded but CUDA is not usable; serving on the CPU. %s",
+                    cuda_requirement())
+    log.info("torch CPU threads: %d (%s)", engine_cfg.cpu_threads,
+             f"CPU_THREADS={settings.cpu_threads}" if settings.cpu_threads else describe_cpus())
     from service.api.app import create_app
 
     server: DrainingServer | None = None
@@ -78,16 +184,28 @@ def main() -> None:
         server.fatal(message)
 
     app = create_app(engine_cfg=engine_cfg, server_cfg=server_cfg, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
-                            log_level=server_cfg.log_level, access_log=server_cfg.access_log,
-                            lifespan="on",
-                            timeout_graceful_shutdown=5, log_config=None)
-    server = DrainingServer(config, server_cfg.drain_timeout_s)
-    log.info("engine: device=%s dtype=%s model=%s", engine_cfg.device, engine_cfg.dtype,
-             engine_cfg.model_preset or engine_cfg.model_path or "default (SmolLM2-135M)")
-    server.run()
-    if server.exit_code:
-        sys.exit(server.exit_code)
+    server = DrainingServer(uvicorn_config(app, server_cfg), server_cfg.drain_timeout_s)
+    log.info("serving %s on http://%s:%d: device=%s dtype=%s", server_cfg.served_model_name,
+             server_cfg.host, server_cfg.port, engine_cfg.device, engine_cfg.dtype)
+    return server, sock
+
+
+def main() -> None:
+    try:
+        settings = load_settings()
+    except ConfigError as e:
+        fail(str(e), 2)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server, sock = start(settings)
+    # The event loop and the engine thread share the GIL, and the engine thread takes it back
+    # after every torch op: with the loop busy (a flood of requests), each such handover waits up
+    # to the switch interval (5 ms by default), which starved forwards under a retry storm.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    threading.Thread(target=watchdog, args=(server,), name="shutdown-watchdog",
+                     daemon=True).start()
+    server.run(sockets=[sock])
+    exit_now(server.exit_code)
 
 
 if __name__ == "__main__":

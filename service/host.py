@@ -43,6 +43,16 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
     return max(cpus, 1)
 
 
+def describe_cpus(root: Path = CGROUP_ROOT) -> str:
+    """Where `usable_cpus` comes from, for the start-up log."""
+    try:
+        mask = f"{len(os.sched_getaffinity(0))} CPUs in the affinity mask"
+    except AttributeError:
+        mask = f"{os.cpu_count()} CPUs"
+    limit = cgroup_cpu_limit(root)
+    return mask + (f", cgroup CPU quota {limit:g}" if limit is not None else ", no CPU quota")
+
+
 def driver_version(path: Path = NVIDIA_VERSION_FILE) -> str | None:
     """The loaded NVIDIA kernel driver's version (e.g. "570.124.06"), or None without one."""
     try:

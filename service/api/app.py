@@ -19,7 +19,7 @@ from service.api import (
     routes_prefill,
 )
 from service.api.metrics import Metrics
-from service.api.middleware import BodyLimit
+from service.api.middleware import BodyLimit, Guard
 from service.api.state import AppState
 from service.config import EngineConfig, ServerConfig, Settings, load_settings, resolve
 from service.engine.scheduler import Scheduler
@@ -27,6 +27,9 @@ from service.engine.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EngineConfig], Any]
+# How long shutdown waits for the engine loop to leave its current forward; a longer forward
+# ends with the process (service.__main__ exits without waiting for it).
+ENGINE_STOP_WAIT_S = 1.0
 
 
 def default_engine_factory(cfg: EngineConfig) -> Any:
@@ -53,9 +56,10 @@ async def _watch_load(state: AppState, on_fatal: Callable[[str], None] | None) -
         log.info("ready: %s, KV pool %d tokens", state.model_name,
                  state.engine.pool.capacity_tokens)
     except Exception as e:  # noqa: BLE001 - reported through /health, /ready and on_fatal
-        log.error("not serving: %s", e)
         if on_fatal is not None:
-            on_fatal(str(e))
+            on_fatal(str(e))  # logs the one error line itself
+        else:
+            log.error("not serving: %s", e)
 
 
 def create_app(settings: Settings | None = None, *, engine_cfg: EngineConfig | None = None,
@@ -85,14 +89,16 @@ def create_app(settings: Settings | None = None, *, engine_cfg: EngineConfig | N
         finally:
             state.begin_drain()
             watcher.cancel()
-            await asyncio.to_thread(scheduler.stop, 10.0)
+            await asyncio.to_thread(scheduler.stop, ENGINE_STOP_WAIT_S)
 
     app = FastAPI(title="triton-prefill", version="0.1.0", lifespan=lifespan,
                   summary="Prefill: first token + logprobs; OpenAI completions subset.")
     app.state.prefill = state
     errors.install(app, metrics.count)
+    # added innermost first: Guard wraps BodyLimit wraps the routes
     app.add_middleware(BodyLimit, max_bytes=srv_cfg.max_body_bytes,
                        on_reject=lambda: metrics.count("bad_request"))
+    app.add_middleware(Guard, draining=lambda: state.draining, count=metrics.count)
     for module in (routes_health, routes_metrics, routes_models, routes_prefill,
                    routes_completions):
         app.include_router(module.router)

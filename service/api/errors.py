@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.config import error_message
@@ -81,11 +81,6 @@ def error_bytes(message: str, type_: str, param: str | None = None,
     return json.dumps(error_body(message, type_, param, code)).encode()
 
 
-class ErrorResponse(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content).encode()
-
-
 def _loc(loc: tuple) -> str:
     """("body", "input_ids", "list[list[int]]", 1, 0) -> "input_ids[1][0]"."""
     out = ""
@@ -124,52 +119,62 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(dict.fromkeys(parts)), first
 
 
+class ErrorReply(NamedTuple):
+    status: int
+    headers: dict[str, str]
+    body: bytes  # the JSON error body
+    label: str  # prefill_requests_total's status label
+
+
+def reply(exc: BaseException, message: str, param: str | None = None,
+          code: str | None = None) -> ErrorReply:
+    """What a client gets for `exc`: status, headers (Retry-After, WWW-Authenticate), body."""
+    status, type_, label = classify(exc)
+    headers = {}
+    retry = getattr(exc, "retry_after_s", None)
+    if retry is None:
+        retry = next((s for cls, s in RETRY_AFTER_S.items() if isinstance(exc, cls)), None)
+    if retry is not None:
+        headers["Retry-After"] = str(retry)
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return ErrorReply(status, headers, error_bytes(message, type_, param, code or status), label)
+
+
 def install(app: FastAPI, count: Callable[[str], None]) -> None:
-    """Register handlers; `count(status_label)` feeds prefill_requests_total."""
+    """Register handlers; `count(status_label)` feeds prefill_requests_total. Exceptions no
+    handler takes become JSON 500s in the Guard middleware (service.api.middleware)."""
 
     def respond(exc: BaseException, message: str, param: str | None,
-                code: str | None) -> JSONResponse:
-        status, type_, label = classify(exc)
-        headers = {}
-        for cls, secs in RETRY_AFTER_S.items():
-            if isinstance(exc, cls):
-                headers["Retry-After"] = str(secs)
-        if status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        if status == 500:
-            log.warning("%d: %s", status, message)
-        response = ErrorResponse(error_body(message, type_, param, code or status), status,
-                                 headers=headers)
-        count(label)
-        return response
+                code: str | None) -> Response:
+        r = reply(exc, message, param, code)
+        if r.status == 500:
+            log.warning("%d: %s", r.status, message)
+        count(r.label)
+        return Response(r.body, r.status, headers=r.headers, media_type="application/json")
 
     @app.exception_handler(ServiceError)
-    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
+    async def _service(_: Request, exc: ServiceError) -> Response:
         return respond(exc, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         return respond(exc, message, param, None)
 
-    async def _engine(_: Request, exc: Exception) -> JSONResponse:
+    async def _engine(_: Request, exc: Exception) -> Response:
         return respond(exc, str(exc), None, None)
 
     for cls in (QueueFull, NotReady, KVPoolExhausted, ForwardFailed):
         app.add_exception_handler(cls, _engine)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # Anything outside the table: still a JSON error body and a counted 500.
-        log.exception("unhandled error", exc_info=exc)
-        return respond(exc, f"internal error: {type(exc).__name__}: {exc}", None, None)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return ErrorResponse(error_body(str(exc.detail), type_, None, exc.status_code),
-                             exc.status_code, headers=getattr(exc, "headers", None))
+        return Response(error_bytes(str(exc.detail), type_, None, exc.status_code),
+                        exc.status_code, headers=getattr(exc, "headers", None),
+                        media_type="application/json")

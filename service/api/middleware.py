@@ -1,13 +1,63 @@
-"""Pure-ASGI body-size limit, enforced before any parsing (Content-Length and streamed size)."""
+"""Pure-ASGI middleware, outermost first: Guard (JSON 500s, Connection: close while draining) and
+BodyLimit (413 before any parsing). Requests that cannot be queued are refused earlier still, from
+their head, in the connection layer (service.api.protocol)."""
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import error_body
+from service.api.errors import error_bytes
+
+log = logging.getLogger(__name__)
+
+
+async def send_json(send: Send, status: int, body: bytes,
+                    headers: dict[str, str] | None = None, close: bool = False) -> None:
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    if close:
+        raw.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """An exception that no handler took becomes a counted JSON 500 (not the server's plain-text
+    one) and is logged once; while `draining()`, every response carries `Connection: close`, so
+    no client keeps a connection to a process that is about to close it."""
+
+    def __init__(self, app: ASGIApp, draining: Callable[[], bool],
+                 count: Callable[[str], None]):
+        self.app, self.draining, self.count = app, draining, count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def guarded(msg: Message) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+                if self.draining():
+                    msg = {**msg, "headers": [*msg.get("headers", ()),
+                                              (b"connection", b"close")]}
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, guarded)
+        except Exception as exc:  # noqa: BLE001 - the last place an error can become a response
+            log.error("unhandled error in %s %s", scope["method"], scope["path"], exc_info=exc)
+            if started:
+                return  # half a response is out: the server closes the connection
+            self.count("error")
+            await send_json(send, 500, error_bytes(
+                f"internal error: {type(exc).__name__}: {exc}", "server_error", None, 500),
+                close=self.draining())
 
 
 class BodyLimit:
@@ -19,14 +69,9 @@ class BodyLimit:
 
     async def _reject(self, send: Send, size: int | str) -> None:
         self.on_reject()
-        body = json.dumps(error_body(
+        await send_json(send, 413, error_bytes(
             f"request body is {size} bytes; the limit is {self.max_bytes} (MAX_BODY_BYTES)",
-            "invalid_request_error", None, "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+            "invalid_request_error", None, "request_too_large"), close=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):

@@ -39,11 +39,8 @@ def check_model(state: AppState, model: str | None) -> None:
 
 
 def require_ready(state: AppState) -> None:
-    if state.draining:
-        raise NotReady("server is draining (shutting down); retry on another replica")
-    if state.scheduler.state != "ready":
-        err = f": {state.scheduler.error}" if state.scheduler.error else ""
-        raise NotReady(f"engine is {state.scheduler.state}{err}")
+    if isinstance(err := state.refusal(), NotReady):
+        raise err
 
 
 def _too_long(name: str, count: str, state: AppState) -> PromptTooLong:

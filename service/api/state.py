@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from service.api.metrics import Metrics
 from service.config import EngineConfig, ServerConfig
+from service.engine.request import NotReady
 from service.engine.scheduler import Scheduler
 
 
@@ -58,6 +59,12 @@ class AppState:
 
     def begin_drain(self) -> None:
         self.draining = True
+
+    def refusal(self) -> Exception | None:
+        """Why a prefill request would be refused now (draining, loading, queue full), or None."""
+        if self.draining:
+            return NotReady("server is draining (shutting down); retry on another replica")
+        return self.scheduler.admission_error()
 
     def snapshot(self) -> dict[str, float]:
         """Plain numbers for the scrape-time gauges."""

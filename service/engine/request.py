@@ -20,7 +20,11 @@ from service.engine.sampling import (
 
 
 class QueueFull(Exception):
-    """Too many prompts are waiting; retry later."""
+    """Too many prompts are waiting; retry after `retry_after_s` (the queue's expected wait)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NotReady(Exception):

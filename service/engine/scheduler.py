@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -39,6 +40,8 @@ from service.engine.request import (
 __all__ = ["ForwardFailed", "NotReady", "PromptResult", "QueueFull", "Request", "Scheduler"]
 
 log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 30.0  # finishing rate behind Retry-After: prompts finished this recently
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -72,6 +75,7 @@ class Scheduler:
         self.error: str | None = None
         self.load_seconds = 0.0
         self.loaded: asyncio.Future[None] | None = None
+        self._finished: deque[float] = deque(maxlen=256)  # finish times of the latest prompts
 
     # ---- loop-thread side -------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -107,20 +111,38 @@ class Scheduler:
     def in_flight(self) -> int:
         return len(self._waiting) + len(self._running)
 
+    def retry_after_s(self) -> int:
+        """Seconds the queue takes to drain at the rate prompts finished in the last
+        RATE_WINDOW_S (1 to 60; 1 without a recent rate)."""
+        done, now = self._finished, time.perf_counter()
+        recent = [t for t in done if now - t < RATE_WINDOW_S] if done else []
+        if len(recent) < 2 or recent[-1] <= recent[0]:
+            return 1
+        rate = (len(recent) - 1) / (recent[-1] - recent[0])  # prompts per second
+        return min(max(math.ceil(len(self._waiting) / rate), 1), 60)
+
+    def admission_error(self, prompts: int = 1) -> Exception | None:
+        """Why `prompts` more prompts cannot be queued now (NotReady, QueueFull), or None.
+        Cheap and lock-free: callers may use it to refuse before reading a request."""
+        if self.state != "ready" or self._stop:
+            why = f": {self.error}" if self.error else ""
+            return NotReady(f"engine is {self.state}{why}")
+        if len(self._waiting) + prompts > self.max_queue:
+            return QueueFull(f"{len(self._waiting)} prompts queued, limit {self.max_queue}",
+                             self.retry_after_s())
+        return None
+
     def submit(self, reqs: list[Request]) -> None:
         """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
         with self._cv:
-            if self.state != "ready" or self._stop:
-                why = f": {self.error}" if self.error else ""
-                raise NotReady(f"engine is {self.state}{why}")
+            if (err := self.admission_error(len(reqs))) is not None:
+                raise err
             alloc, ps = self.engine.pool.allocator, self.engine.pool.page_size
-            for r in reqs:
+            for r in reqs:  # callers check prompts against the pool's capacity first
                 if pages_for(r.num_tokens, ps) > alloc.capacity:
                     raise KVPoolExhausted(
                         f"a prompt of {r.num_tokens} tokens needs {pages_for(r.num_tokens, ps)} "
                         f"KV pages; the pool has {alloc.capacity} ({alloc.capacity * ps} tokens)")
-            if len(self._waiting) + len(reqs) > self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} prompts queued, limit {self.max_queue}")
             self._waiting.extend(reqs)
             self._cv.notify()
 
@@ -134,17 +156,28 @@ class Scheduler:
             self._cv.notify()
         req.future.cancel()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def abort(self, exc: BaseException) -> int:
+        """Fail every queued and running prompt with `exc` now (shutdown); a running prompt's
+        pages are freed once its current forward ends. Returns how many were failed."""
+        with self._cv:
+            pending = list(self._waiting) + [r for r in self._running if not r.cancelled]
+            self._waiting.clear()
+            for r in pending:
+                r.cancelled = True
+                self._post(r, None, exc)
+            self._cv.notify()
+        return len(pending)
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """End the engine loop: it exits after its current forward. Waits at most `timeout`
+        for that; a forward still running then ends with the process."""
         with self._cv:
             self._stop = True
             self._cv.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.abort(NotReady("server is shutting down; retry on another replica"))
         with self._cv:
-            pending = list(self._waiting) + list(self._running)
-            self._waiting.clear()
-            for r in pending:
-                self._post(r, None, NotReady("server is shutting down"))
             if self.state in ("loading", "ready"):
                 self.state = "stopped"
 
@@ -160,7 +193,8 @@ class Scheduler:
         try:
             engine = self._factory()
         except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
-            log.exception("engine failed to load")
+            # the one error line is the caller's (on_fatal); the traceback is for debugging
+            log.debug("engine failed to load", exc_info=True)
             self._fail(f"engine failed to load: {type(e).__name__}: {e}")
             return
         with self._cv:
@@ -179,6 +213,8 @@ class Scheduler:
             self._fail(f"engine loop died: {type(e).__name__}: {e}")
         finally:
             with self._cv:
+                for r in list(self._running):
+                    self._release(r)
                 self.cache.clear()
             try:
                 engine.close()
@@ -295,10 +331,11 @@ class Scheduler:
             if res is not None:
                 finished.append((r, res, None))
         with self._cv:
+            now = time.perf_counter()
             for r, res, exc in finished:
                 self._release(r)
                 if res is not None:
-                    self.observer.on_finish(time.perf_counter() - r.arrival, r.num_tokens,
-                                            r.cached)
+                    self._finished.append(now)
+                    self.observer.on_finish(now - r.arrival, r.num_tokens, r.cached)
                 if not r.cancelled:
                     self._post(r, res, exc)

@@ -34,6 +34,34 @@ def default_model_path() -> Path:
     return path
 
 
+def check_model_path(path: str | None) -> None:
+    """Cheap checks before anything loads or listens: MODEL_PATH (or the default model) exists
+    and has the shape of a model. Raises ModelLoadError naming what is wrong."""
+    if path is None:
+        default_model_path()
+        return
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"{p}: no such file or directory")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(f"{p}: not a model directory: no config.json and {len(ggufs)} "
+                                 ".gguf files (a Hugging Face checkpoint needs config.json, "
+                                 "*.safetensors and tokenizer.json)")
+        p = ggufs[0]
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{p}: cannot read: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{p}: not a GGUF file; MODEL_PATH must be a Hugging Face "
+                             "checkpoint directory or a .gguf file")
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

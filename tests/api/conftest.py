@@ -19,6 +19,7 @@ import httpx
 import pytest
 import uvicorn
 
+from service.__main__ import uvicorn_config
 from service.api.app import create_app
 from service.config import load_settings, resolve
 
@@ -181,18 +182,21 @@ def api(make_app: Callable[..., LiveApp]) -> LiveApp:
 
 @pytest.fixture
 def served(make_app: Callable[..., LiveApp]) -> Iterator[Callable[..., str]]:
-    """served(**env) -> base URL of an app under a real uvicorn on a free loopback port."""
+    """served(**env) -> base URL of an app under a real uvicorn (configured as the CLI does)
+    on a free loopback port."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def serve(**env: Any) -> str:
         live = make_app(**env)
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(live.app, host="127.0.0.1", port=port,
-                                               lifespan="off", log_level="warning"))
+        server = uvicorn.Server(uvicorn_config(live.app, live.state.server_cfg,
+                                               host="127.0.0.1", port=port, lifespan="off",
+                                               log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         servers.append((server, thread))
         wait_for(lambda: server.started, 10, "uvicorn start")
+        serve.live = live  # the latest app, for tests that reach into its engine
         return f"http://127.0.0.1:{port}"
 
     yield serve

@@ -283,3 +283,25 @@ def test_an_over_long_text_is_refused_without_tokenizing_all_of_it(api, monkeypa
     assert sum(seen) < len(prompt) // 10, seen
     r = api.post("/v1/prefill", json={"prompt": "7" * 9000})  # one token per digit: exact count
     assert r.status_code == 400 and "9000 tokens; the limit is 8192" in r.json()["error"]["message"]
+
+
+def test_requests_failed_at_shutdown_get_a_503_counted_as_rejected(api) -> None:
+    """At the drain's end the scheduler fails what is in flight: clients get a retryable JSON
+    503, and the metrics count what they saw (rejected), not a cancellation."""
+    from service.engine.request import NotReady
+
+    api.engine.delay_s = 1.0
+
+    async def go():
+        pending = [asyncio.ensure_future(api.client.post("/v1/prefill", json={"prompt": p}))
+                   for p in ("Hello", "The capital of France is")]
+        await until(lambda: api.engine.forwards)
+        assert api.state.scheduler.abort(NotReady("server is shutting down")) == 2
+        return await asyncio.gather(*pending)
+
+    for r in api.run(go()):
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    metrics = api.get("/metrics").text
+    assert metric(metrics, "prefill_requests_total", status="rejected") == 2
+    assert metric(metrics, "prefill_requests_total", status="cancelled") == 0
+    wait_for(lambda: api.state.scheduler.kv_used_tokens == 0, 10, "pages freed")

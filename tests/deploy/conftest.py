@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from deploy_testlib import (
     DEPLOY,
     OVERLAYS,
@@ -55,6 +56,27 @@ def kustomize() -> Callable[[Path], list[dict]]:
 def rendered(kustomize) -> dict[str, list[dict]]:
     """Rendered docs of each overlay, by overlay name."""
     return {name: kustomize(DEPLOY / "overlays" / name) for name in OVERLAYS}
+
+
+@pytest.fixture(scope="session")
+def rendered_with_keda(kustomize, tmp_path_factory) -> dict[str, list[dict]]:
+    """Rendered docs of each overlay with the KEDA component added, by overlay name."""
+    out = {}
+    for name in OVERLAYS:
+        root = tmp_path_factory.mktemp(f"keda-{name}")
+        # kustomize refuses absolute paths to other kustomizations, so point at them relatively.
+        (root / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": [os.path.relpath(DEPLOY / "overlays" / name, root)],
+                    "components": [os.path.relpath(DEPLOY / "components" / "keda", root)],
+                }
+            )
+        )
+        out[name] = kustomize(root)
+    return out
 
 
 @pytest.fixture(scope="session")

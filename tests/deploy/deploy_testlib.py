@@ -74,3 +74,37 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
 
 def load_yaml_docs(text: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(text) if d]
+
+
+# --- the rendered pod, as the kubelet sees it -----------------------------------------------
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def container(docs: list[dict]) -> dict:
+    containers = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, "one container per pod expected"
+    return containers[0]
+
+
+def effective_env(docs: list[dict]) -> dict[str, str | None]:
+    """The container's environment as the kubelet builds it: envFrom in order, then env wins.
+
+    valueFrom entries map to None (their value is not in the manifests).
+    """
+    c = container(docs)
+    configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    env: dict[str, str | None] = {}
+    for src in c.get("envFrom", []):
+        ref = src.get("configMapRef")
+        assert ref, f"only configMapRef envFrom is expected, got {src}"
+        assert ref["name"] in configmaps, f"envFrom references missing ConfigMap {ref['name']}"
+        prefix = src.get("prefix", "")
+        env.update({prefix + k: v for k, v in configmaps[ref["name"]].get("data", {}).items()})
+    for var in c.get("env", []):
+        env[var["name"]] = var.get("value")
+    return env

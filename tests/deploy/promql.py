@@ -92,6 +92,12 @@ def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\b(prefill_\w+|up)\b(?!\s*\()", expr))
 
 
+def foreign_metrics(expr: str) -> set[str]:
+    """Metrics from other exporters (kube-state-metrics' kube_*) that a test of the service alone
+    cannot have."""
+    return set(re.findall(r"\b(kube_\w+)\b", expr))
+
+
 def selectors(expr: str) -> list[tuple[str, list[str]]]:
     """(metric name, label names matched) for each `name{...}` selector."""
     return [

@@ -53,6 +53,8 @@ def test_required_panels(dashboard) -> None:
         "histogram_quantile(0.99, sum by (le) (rate(prefill_time_to_first_token_seconds_bucket",
         "rate(prefill_prompt_tokens_total",
         "prefill_queue_requests",
+        "prefill_running_requests",
+        "prefill_queue_limit_requests",
         "sum by (mode) (rate(prefill_forwards_total",
         "sum by (status) (rate(prefill_requests_total",
     ):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from crd_checks import CRD_CHECKS
-from deploy_testlib import DEPLOY, OVERLAYS, load_yaml_docs
+from deploy_testlib import DEPLOY, OVERLAYS, container, effective_env, load_yaml_docs, one
 
 # The oldest Kubernetes we support (native sidecars, HPA v2 and PDB v1 are older) and the newest
 # schema kubernetes-validate ships.
@@ -97,23 +96,12 @@ def test_overlay_renders_and_validates(overlay: str, rendered) -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_keda_component_replaces_the_hpa(kustomize, tmp_path: Path) -> None:
-    # kustomize refuses absolute paths to other kustomizations, so point at them relatively.
-    rel = lambda p: os.path.relpath(p, tmp_path)  # noqa: E731
-    (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": [rel(DEPLOY / "overlays" / "h200")],
-                "components": [rel(DEPLOY / "components" / "keda")],
-            }
-        )
-    )
-    docs = kustomize(tmp_path)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_component_replaces_the_hpa(overlay: str, rendered_with_keda) -> None:
+    docs = rendered_with_keda[overlay]
     kinds = [d["kind"] for d in docs]
     assert "HorizontalPodAutoscaler" not in kinds and kinds.count("ScaledObject") == 1, kinds
-    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    scaled = one(docs, "ScaledObject")
     deployment = one(docs, "Deployment")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     problems = [f"{name_of(d)}: {msg}" for d in docs for msg in validate_doc(d)]
@@ -121,37 +109,6 @@ def test_keda_component_replaces_the_hpa(kustomize, tmp_path: Path) -> None:
 
 
 # --- the pod contract, asserted on the rendered overlays -------------------------------------
-
-
-def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
-
-
-def container(docs: list[dict]) -> dict:
-    containers = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1, "one container per pod expected"
-    return containers[0]
-
-
-def effective_env(docs: list[dict]) -> dict[str, str | None]:
-    """The container's environment as the kubelet builds it: envFrom in order, then env wins.
-
-    valueFrom entries map to None (their value is not in the manifests).
-    """
-    c = container(docs)
-    configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
-    env: dict[str, str | None] = {}
-    for src in c.get("envFrom", []):
-        ref = src.get("configMapRef")
-        assert ref, f"only configMapRef envFrom is expected, got {src}"
-        assert ref["name"] in configmaps, f"envFrom references missing ConfigMap {ref['name']}"
-        prefix = src.get("prefix", "")
-        env.update({prefix + k: v for k, v in configmaps[ref["name"]].get("data", {}).items()})
-    for var in c.get("env", []):
-        env[var["name"]] = var.get("value")
-    return env
 
 
 def overlay_literals(overlay: str) -> dict[str, str]:
@@ -298,8 +255,13 @@ def test_grace_period_covers_prestop_and_drain(overlay: str, rendered) -> None:
     drain = int(effective_env(docs)["DRAIN_TIMEOUT_S"])
     sleep = prestop_sleep_s(container(docs))
     assert sleep > 0
-    # The grace period starts with preStop; SIGTERM (and the drain) only after it returns.
-    assert grace > drain + sleep, f"grace {grace}s <= drain {drain}s + preStop sleep {sleep}s"
+    # The grace period starts with preStop; SIGTERM (and the drain) only after it returns. The
+    # process exits at most SHUTDOWN_MARGIN_S after the drain (service.__main__ enforces it).
+    from service.__main__ import SHUTDOWN_MARGIN_S
+
+    need = drain + sleep + SHUTDOWN_MARGIN_S
+    assert grace > need, (f"grace {grace}s <= drain {drain}s + preStop sleep {sleep}s + exit "
+                          f"margin {SHUTDOWN_MARGIN_S}s")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -324,6 +286,9 @@ def test_selectors_line_up(overlay: str, rendered) -> None:
     rules = one(docs, "PrometheusRule")
     exprs = " ".join(r["expr"] for g in rules["spec"]["groups"] for r in g["rules"])
     assert f'up{{job="{svc["metadata"]["name"]}"}}' in exprs
+    # kube-state-metrics names the Deployment in its `deployment` label.
+    deployments = set(re.findall(r'kube_deployment_\w+\{[^}]*deployment="([^"]*)"', exprs))
+    assert deployments == {dep["metadata"]["name"]}, deployments
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

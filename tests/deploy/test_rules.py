@@ -13,6 +13,34 @@ from deploy_testlib import APT_HINT, require_tool
 
 GIB = 1024**3
 
+
+def available(namespace: str, deployment: str = "triton-prefill") -> str:
+    """kube-state-metrics' series of a Deployment's available replicas."""
+    return (
+        "kube_deployment_status_replicas_available"
+        f'{{job="kube-state-metrics", namespace="{namespace}", deployment="{deployment}"}}'
+    )
+
+
+def queue(pod: str, queued: str, limit: str) -> dict[str, str]:
+    """A pod's queue depth and queue limit, with the same labels as the service exports them."""
+    labels = f'{{job="triton-prefill", pod="{pod}", model_name="m"}}'
+    return {
+        f"prefill_queue_requests{labels}": queued,
+        f"prefill_queue_limit_requests{labels}": limit,
+    }
+
+
+def ttft_buckets(namespace: str, per_minute: dict[str, float]) -> dict[str, str]:
+    """Cumulative TTFT histogram buckets of two pods, each growing by `per_minute` (by le)."""
+    return {
+        "prefill_time_to_first_token_seconds_bucket{"
+        f'job="triton-prefill", namespace="{namespace}", pod="{pod}", le="{le}"}}': f"0+{n}x30"
+        for pod in ("p0", "p1")
+        for le, n in per_minute.items()
+    }
+
+
 # Input series and the alerts expected from them. Each alert has a case where it fires and series
 # that must not fire it (the expected list names every firing alert of that name at that time).
 # Times are minutes; series are sampled every minute starting at 0.
@@ -35,6 +63,28 @@ CASES = [
                 16: [
                     {"severity": "critical", "job": "triton-prefill", "pod": "stuck"},
                     {"severity": "critical", "job": "triton-prefill", "pod": "down"},
+                ],
+            },
+        },
+    },
+    {
+        "name": "no available replica for 5m (kube-state-metrics)",
+        "series": {
+            available("a"): "0x20",
+            available("b"): "1x20",
+            available("c"): "0x3 1x17",
+            available("a", deployment="other"): "0x20",
+        },
+        "alerts": {
+            "PrefillNoAvailableReplicas": {
+                4: [],
+                7: [
+                    {
+                        "severity": "critical",
+                        "job": "kube-state-metrics",
+                        "namespace": "a",
+                        "deployment": "triton-prefill",
+                    }
                 ],
             },
         },
@@ -65,6 +115,43 @@ CASES = [
             "PrefillQueueGrowing": {
                 20: [],
                 30: [{"severity": "warning", "job": "triton-prefill", "pod": "growing"}],
+            },
+        },
+    },
+    {
+        "name": "queue held near its limit (flat, so deriv is 0)",
+        "series": {
+            **queue("stuck", queued="256x20", limit="256x20"),
+            **queue("busy", queued="200x20", limit="256x20"),
+            **queue("burst", queued="256x2 10x18", limit="256x20"),
+        },
+        "alerts": {
+            "PrefillQueueFull": {
+                4: [],
+                7: [
+                    {
+                        "severity": "warning",
+                        "job": "triton-prefill",
+                        "pod": "stuck",
+                        "model_name": "m",
+                    }
+                ],
+            },
+            "PrefillQueueGrowing": {15: []},
+        },
+    },
+    {
+        # Per minute: namespace slow answers 100 prompts in 5-10 s; namespace fast answers 1,000
+        # in under 1 s and 5 in 5-10 s (0.5 %, so its p99 stays under 1 s). Two pods each.
+        "name": "TTFT p99 above 5 s for 10m",
+        "series": {
+            **ttft_buckets("slow", {"1": 0, "5": 0, "10": 50, "+Inf": 50}),
+            **ttft_buckets("fast", {"1": 500, "5": 500, "10": 502.5, "+Inf": 502.5}),
+        },
+        "alerts": {
+            "PrefillTimeToFirstTokenHigh": {
+                9: [],
+                15: [{"severity": "warning", "job": "triton-prefill", "namespace": "slow"}],
             },
         },
     },

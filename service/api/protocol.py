@@ -1,0 +1,215 @@
+"""The HTTP/1.1 connection layer: uvicorn's httptools protocol with limits on what a client holds.
+
+Each connection answers with the API's JSON error body and closes when a client
+- sends a malformed request (bad Content-Length, bad chunk sizes, TLS bytes on the plain port):
+  400;
+- sends a request head (request line + headers) larger than MAX_HEADER_BYTES: 431, before the
+  app (and its API-key check) sees the request;
+- has not completed a request head HEADER_TIMEOUT_S after the connection opened or the head's
+  first byte arrived: 408 (a connection that sent nothing is closed without an answer);
+- has not completed a body BODY_TIMEOUT_S after its head: 408;
+- opens a connection beyond MAX_CONNECTIONS: 503.
+Keep-alive idleness between requests is uvicorn's own timeout (timeout_keep_alive).
+
+A POST to /v1/ that could not be queued now (`refusal()`: queue full, loading, draining) is
+answered from its request head alone, before an ASGI task exists: a client that retries 429s in
+a loop then costs the server little more than parsing its head, and the event loop keeps the
+GIL free for the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.api.errors import error_bytes, reply
+
+log = logging.getLogger(__name__)
+
+# After an error response, the connection half-closes and discards what the client still sends
+# for this long before closing: closing with unread input makes the kernel send a reset, which
+# can destroy the response before the client reads it.
+LINGER_S = 1.0
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+
+
+def raw_response(status: int, body: bytes, headers: list[tuple[bytes, bytes]],
+                 close: bool = True) -> bytes:
+    """A complete HTTP/1.1 response with a JSON body."""
+    head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
+    head += [name + b": " + value + b"\r\n" for name, value in headers]
+    head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+    head.append(b"connection: close\r\n\r\n" if close else b"\r\n")
+    return b"".join(head) + body
+
+
+class _Answered:
+    """The request/response cycle of a request answered from its head: what uvicorn's parser
+    callbacks see ignores the body that may follow."""
+
+    response_complete = response_started = True
+    disconnected = more_body = False
+    message_event = asyncio.Event()  # set() only, by connection_lost
+    body = bytearray()  # stays empty: on_body returns before appending
+
+
+ANSWERED = _Answered()
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """`limits` bound what one connection may hold; `count(label)` counts each refused request
+    in prefill_requests_total; `refusal()` says why a prefill could not be queued now. Build it
+    with functools.partial for uvicorn.Config(http=...)."""
+
+    def __init__(self, *args: Any, limits: ConnectionLimits,
+                 count: Callable[[str], None] = lambda label: None,
+                 refusal: Callable[[], Exception | None] = lambda: None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.limits, self.count, self.refusal = limits, count, refusal
+        self._in_head = True  # between messages or inside a request head
+        self._head_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._lingering = False
+
+    # -- connection -----------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, "service_unavailable", "too_many_connections", "rejected",
+                         f"the server holds {self.limits.max_connections} connections "
+                         "(MAX_CONNECTIONS); retry later")
+            return
+        self._arm(self.limits.header_timeout_s, self._head_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
+        self._unset_keepalive_if_required()
+        if self._in_head:
+            if self._timer is None:  # the first byte of a request on a kept-alive connection
+                self._arm(self.limits.header_timeout_s, self._head_timeout)
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # no WebSocket here: served as plain HTTP
+        except httptools.HttpParserError as e:
+            self._refuse(400, "invalid_request_error", "malformed_request", "bad_request",
+                         f"malformed HTTP request: {e}")
+            return
+        if (self._in_head and self._head_bytes > self.limits.max_header_bytes
+                and not self.transport.is_closing()):
+            self._refuse(431, "invalid_request_error", "request_header_too_large", "bad_request",
+                         f"the request head is over {self.limits.max_header_bytes} bytes "
+                         "(MAX_HEADER_BYTES)")
+
+    # -- parser callbacks -----------------------------------------------------------------------
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._arm(self.limits.body_timeout_s, self._body_timeout)
+        if (self.url.startswith(b"/v1/") and self.parser.get_method() == b"POST"
+                and (self.cycle is None or self.cycle.response_complete)
+                and (exc := self.refusal()) is not None):
+            self._answer_from_head(exc)
+            return
+        super().on_headers_complete()
+
+    def _answer_from_head(self, exc: Exception) -> None:
+        r = reply(exc, str(exc))
+        self.count(r.label)
+        keep = r.status == 429 and self.parser.should_keep_alive()
+        headers = [*self.server_state.default_headers,
+                   *((k.lower().encode(), v.encode()) for k, v in r.headers.items())]
+        self.transport.write(raw_response(r.status, r.body, headers, close=not keep))
+        self.cycle = ANSWERED  # type: ignore[assignment]
+        if keep:
+            self.on_response_complete()  # arms the keep-alive timeout, as after any response
+        else:
+            self._linger()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._in_head, self._head_bytes = True, 0
+        super().on_message_complete()
+
+    # -- limits ---------------------------------------------------------------------------------
+    def _arm(self, seconds: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timeout(self) -> None:
+        self._timer = None
+        if self._head_bytes == 0 and self.cycle is None:
+            self.transport.close()  # connected and sent nothing: no request to answer
+            return
+        if self._head_bytes == 0:
+            return  # between requests: the keep-alive timeout is uvicorn's
+        self._refuse(408, "invalid_request_error", "request_timeout", "bad_request",
+                     f"the request head was not complete within {self.limits.header_timeout_s:g}"
+                     " s (HEADER_TIMEOUT_S)")
+
+    def _body_timeout(self) -> None:
+        self._timer = None
+        self._refuse(408, "invalid_request_error", "request_timeout", "bad_request",
+                     f"the request body was not complete within {self.limits.body_timeout_s:g} s"
+                     " (BODY_TIMEOUT_S)")
+
+    def send_400_response(self, msg: str) -> None:  # uvicorn's own call sites
+        self._refuse(400, "invalid_request_error", "malformed_request", "bad_request", msg)
+
+    def _refuse(self, status: int, type_: str, code: str, label: str, message: str) -> None:
+        """Answer `status` with a JSON error (unless a response is already under way) and
+        close the connection."""
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete and not self._in_head:
+            self.transport.close()  # the body of a request already answered (e.g. a 429)
+            return
+        if cycle is not None and not cycle.response_complete:
+            # NOTE: the app stops here: its receive() returns http.disconnect and nothing it
+            # sends reaches the transport
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.close()
+                return
+        log.debug("%s: %d %s", self.client, status, message)
+        self.count(label)
+        body = error_bytes(message, type_, None, code)
+        self.transport.write(raw_response(status, body, self.server_state.default_headers))
+        self._linger()
+
+    def _linger(self) -> None:
+        """Half-close, discard what still arrives, close after LINGER_S."""
+        self._disarm()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = True
+        self.loop.call_later(LINGER_S, self.transport.close)
