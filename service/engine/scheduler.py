@@ -76,6 +76,7 @@ class Scheduler:
         self.load_seconds = 0.0
         self.loaded: asyncio.Future[None] | None = None
         self._finished: deque[float] = deque(maxlen=256)  # finish times of the latest prompts
+        self._rate = 0.0  # prompts finished per second, recently (Retry-After)
 
     # ---- loop-thread side -------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -112,14 +113,21 @@ class Scheduler:
         return len(self._waiting) + len(self._running)
 
     def retry_after_s(self) -> int:
-        """Seconds the queue takes to drain at the rate prompts finished in the last
-        RATE_WINDOW_S (1 to 60; 1 without a recent rate)."""
-        done, now = self._finished, time.perf_counter()
-        recent = [t for t in done if now - t < RATE_WINDOW_S] if done else []
-        if len(recent) < 2 or recent[-1] <= recent[0]:
+        """Seconds the queue takes to drain at the recent finishing rate (1 to 60; 1 without
+        one). O(1): a 429 storm calls it for every refused request."""
+        rate = self._rate
+        if rate <= 0.0:
             return 1
-        rate = (len(recent) - 1) / (recent[-1] - recent[0])  # prompts per second
         return min(max(math.ceil(len(self._waiting) / rate), 1), 60)
+
+    def _update_rate(self, now: float) -> None:
+        """Prompts finished per second over the latest ones within RATE_WINDOW_S (engine
+        thread, after each forward)."""
+        done = self._finished
+        while done and now - done[0] > RATE_WINDOW_S:
+            done.popleft()
+        span = done[-1] - done[0] if len(done) > 1 else 0.0
+        self._rate = (len(done) - 1) / span if span > 0 else 0.0
 
     def admission_error(self, prompts: int = 1) -> Exception | None:
         """Why `prompts` more prompts cannot be queued now (NotReady, QueueFull), or None.
@@ -339,3 +347,4 @@ class Scheduler:
                     self.observer.on_finish(now - r.arrival, r.num_tokens, r.cached)
                 if not r.cancelled:
                     self._post(r, res, exc)
+            self._update_rate(now)
