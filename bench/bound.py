@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import graph_us, markdown_table, out_dir, run_meta, write_results  # noqa: E402
 from bench.e2e import flops, gemm_ceiling, hf_model, run_hf, run_ours  # noqa: E402
-from kernels.extend_attention import extend_attention  # noqa: E402
+from kernels.extend_attention import VarlenBatch, extend_attention  # noqa: E402
 from service.model.config import ModelConfig, preset  # noqa: E402
 from service.model.loader import LoadedModel, random_model  # noqa: E402
 from service.model.weights import load_hf_state  # noqa: E402
@@ -74,9 +74,9 @@ def attention_us(c: ModelConfig, bs: int, s: int) -> dict[str, float | None]:
     table = torch.zeros(bs, 1, dtype=torch.int32, device=dev)
     pool = torch.zeros(16, kvh, d, device=dev, dtype=dt)
     out = torch.empty_like(q)
+    batch = VarlenBatch(cu, prefix, table, 16, s, max_prefix_len=0, num_tokens=t)
     res: dict[str, float | None] = {"ours": graph_us(lambda: extend_attention(
-        q, k, v, pool, pool, cu, prefix, table, 16, s, out=out, max_prefix_len=0,
-        num_tokens=t))}
+        q, k, v, pool, pool, batch, out=out))}
     qb, kb, vb = (x.view(bs, s, -1, d).transpose(1, 2) for x in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

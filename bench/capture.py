@@ -3,12 +3,8 @@
 Random weights of SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B shapes, the default 58-bucket
 ladder to 8,192 tokens. Each (model, variant) runs in a fresh process, so that one run's
 lazily loaded kernels and driver-cached graph memory cannot flatter the next:
-  main      the service's configuration (retention gated, one shared pool, one middle-layer
-            graph shared by every layer for buckets <= 32 tokens) + latency
-  perlayer  main with one graph per layer in every bucket (CUDA_GRAPH_SHARED_MAX_TOKENS=0)
+  main      the service's configuration (retention gated, one shared pool) + latency
   warm      main, after an eager forward of every bucket: splits off first-use kernel loading
-  ungated   every capture batch retained (upstream before SGLang PR #32678)
-  separate  one graph pool per bucket
   dp1       the data-parallel path at world size 1 (retained capture-only tensors per bucket)
 Capture memory = drop in free device memory across capture (static buffers included), after a
 warm-up forward of the largest bucket; with the allocator's reserved growth beside it.
@@ -38,23 +34,23 @@ import torch  # noqa: E402
 from bench.common import bench_ms, out_dir, relerr, run_meta  # noqa: E402
 from service.engine.batch import SeqChunk, build_batch  # noqa: E402
 from service.engine.buckets import Buckets, default_ladder  # noqa: E402
-from service.engine.dp import DPGroup  # noqa: E402
+from service.engine.dp import DPGroup, DPRunner  # noqa: E402
+from service.engine.full_buffers import capture_chunks  # noqa: E402
 from service.engine.graph import CudaGraphBackend, SegmentBackend  # noqa: E402
 from service.engine.kv_pool import KVPool  # noqa: E402
 from service.engine.memory import plan_kv  # noqa: E402
-from service.engine.runner import PrefillRunner  # noqa: E402
+from service.engine.runners import eager_peak_bytes, on_stream  # noqa: E402
+from service.engine.runners.breakable import BreakableRunner  # noqa: E402
+from service.engine.runners.eager import EagerRunner  # noqa: E402
 from service.model.config import preset  # noqa: E402
+from service.model.llama import Eager  # noqa: E402
 from service.model.loader import random_model  # noqa: E402
 
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")
 LAT_TOKENS = (16, 64, 256, 1024, 4096, 8192)
 PAGE, FRACTION = 16, 0.85
 # Most informative first, so a tight --budget-s still yields the key comparisons.
-SHARED_MAX_TOKENS = 32  # the service's default (service/config.py)
-RUNS = [(m, "main") for m in MODELS] + [("smollm2-135m", "perlayer")] + [
-    ("smollm2-135m", "warm"), ("smollm2-135m", "dp1")] + [
-    (m, v) for m in ("llama-3.2-1b", "smollm2-135m") for v in ("ungated", "separate")] + [
-    ("qwen2.5-0.5b", "ungated"), ("qwen2.5-0.5b", "separate")] + [
+RUNS = [(m, "main") for m in MODELS] + [("smollm2-135m", "warm"), ("smollm2-135m", "dp1")] + [
     (m, "warm") for m in ("llama-3.2-1b", "qwen2.5-0.5b")]
 TINY = dict(num_layers=2, vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4,
             num_kv_heads=2, head_dim=16)
@@ -78,22 +74,31 @@ class Mem:
         return torch.cuda.memory_reserved() if self.cuda else 0
 
 
-def one_sequence(runner: PrefillRunner, pool: KVPool, n: int):
+def one_sequence(runner: BreakableRunner, pool: KVPool, n: int):
     ids = torch.randint(0, runner.cfg.vocab_size, (n,)).tolist()
     pages = tuple(pool.allocator.alloc(-(-n // PAGE)))
     batch = build_batch([SeqChunk(tuple(ids), 0, pages)], pool.cache, runner.device,
-                        pad_to=runner.pad_to_bucket(n))
+                        pad_to=runner.buckets.pad_to_bucket(n))
     return batch, list(pages)
 
 
-def latency_one(runner: PrefillRunner, pool: KVPool, n: int, cuda: bool) -> dict:
+def latency_one(runner: BreakableRunner, pool: KVPool, n: int, cuda: bool) -> dict:
     """Eager vs breakable replay vs the same forward captured whole (fixed batch)."""
-    with torch.inference_mode(), runner.on_stream():
+    model = runner.model
+    with torch.inference_mode(), on_stream(runner.stream):
         batch, pages = one_sequence(runner, pool, n)
-        eager = lambda: runner.forward_eager(batch)
-        breakable = lambda: runner.forward_graph(batch)
-        full = direct = lambda: runner.forward_graph(batch, replay=False)
-        g = None
+        v = runner.bufs.views(batch.padded_tokens)
+        attend = runner._plan(batch, v)
+        eager = lambda: model(batch.input_ids, batch.positions, batch.meta)
+        breakable = lambda: runner.forward(batch)
+
+        def direct() -> torch.Tensor:
+            v.input_ids.copy_(batch.input_ids)
+            v.positions.copy_(batch.positions)
+            model.run(v, Eager(attend))
+            return model.logits(v.hidden, batch.meta)
+
+        full, g = direct, None
         if cuda:  # attention and the LM head inside the graph: fine for a fixed batch
             direct()
             g = torch.cuda.CUDAGraph()
@@ -112,16 +117,22 @@ def latency_one(runner: PrefillRunner, pool: KVPool, n: int, cuda: bool) -> dict
     return dict(tokens=n, **ms, relerr_vs_eager=err, relerr_full=err_full)
 
 
-def latency(runner: PrefillRunner, cuda: bool, sizes: tuple[int, ...]) -> list[dict]:
+def latency(runner: BreakableRunner, cuda: bool, sizes: tuple[int, ...]) -> list[dict]:
     pool = KVPool(runner.cfg, max(sizes) + PAGE, PAGE, runner.dtype, runner.device)
     return [latency_one(runner, pool, n, cuda) for n in sizes]
 
 
+def route(runner: BreakableRunner, eager: EagerRunner, chunks, kv) -> tuple:
+    """The graph runner when it takes the batch (a DP runner always does), else eager."""
+    take = runner.can_run(chunks, sum(c.num_tokens for c in chunks))
+    return (runner if take else eager).run(chunks, kv)
+
+
 def worker(spec: dict, group: DPGroup | None = None,
-           then: Callable[[PrefillRunner, KVPool], dict] | None = None) -> dict:
+           then: Callable[[Callable, BreakableRunner, KVPool], dict] | None = None) -> dict:
     """One (model, variant) run. `group`: this rank of a multi-GPU DP group (bench/dp.py);
-    `then(runner, pool)` runs on the captured runner and the KV pool sized at FRACTION, its
-    result stored under "then" (bench/dp.py's throughput)."""
+    `then(prefill, runner, pool)` runs on the captured runner and the KV pool sized at
+    FRACTION, its result stored under "then" (bench/dp.py's throughput)."""
     cuda = spec["device"] == "cuda"
     mem = Mem(cuda)
     dev = torch.device(spec["device"])
@@ -134,24 +145,26 @@ def worker(spec: dict, group: DPGroup | None = None,
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     variant = spec["variant"]
     stream = torch.cuda.Stream() if cuda else None
-    backend = (CudaGraphBackend(stream, shared_pool=variant != "separate") if cuda
-               else SegmentBackend())
+    backend = CudaGraphBackend(stream) if cuda else SegmentBackend()
     dp = group if group is not None else (DPGroup() if variant == "dp1" else None)
-    runner = PrefillRunner(model, Buckets(default_ladder(spec["max_tokens"])), backend,
-                           dp=dp, stream=stream, retain_capture_batch=variant.endswith("ungated"),
-                           shared_max_tokens=0 if variant == "perlayer" else SHARED_MAX_TOKENS)
+    buckets = Buckets(default_ladder(spec["max_tokens"]))
+    runner = (BreakableRunner(model, buckets, backend, stream) if dp is None
+              else DPRunner(model, buckets, backend, dp, stream))
+    eager = runner if dp is not None else EagerRunner(model, stream)
     scratch = KVPool(cfg, PAGE, PAGE, dtype, dev)
     out: dict = dict(model=spec["model"], variant=variant, weights_bytes=weights,
                      buckets=len(runner.buckets), free_before=free_before)
     if variant == "warm":  # first-use kernel loading, measured apart from the capture
         mem.settle()
         f0, r0 = mem.free(), mem.reserved()
-        with torch.inference_mode(), runner.on_stream():
+        with torch.inference_mode():
             for n in runner.buckets:
-                runner.forward_eager(runner.capture_batch(n, scratch.cache))
+                eager.run(capture_chunks(n, model.max_positions, PAGE), scratch.cache)
         mem.settle()
         out.update(kernel_load_bytes=f0 - mem.free(), sweep_reserved_bytes=mem.reserved() - r0)
-    out["eager_peak_bytes"] = runner.measure_eager_peak(spec["max_tokens"], scratch.cache)
+    big = capture_chunks(spec["max_tokens"], model.max_positions, PAGE)
+    with torch.inference_mode(), on_stream(stream):
+        out["eager_peak_bytes"] = eager_peak_bytes(dev, lambda kv=scratch.cache: eager.run(big, kv))
     mem.settle()
     f0, r0, t0 = mem.free(), mem.reserved(), time.perf_counter()
 
@@ -160,21 +173,19 @@ def worker(spec: dict, group: DPGroup | None = None,
             print(f"  [{spec['model']}/{variant}] bucket {n:5d} ({k + 1}/{len(runner.buckets)})"
                   f", {mem.free() / 2**30:.2f} GiB free", flush=True)
 
-    with torch.inference_mode():
-        runner.capture(scratch.cache, on_bucket=progress)
+    runner.capture(scratch.cache, on_bucket=progress)
     mem.settle()
     out["capture_s"] = time.perf_counter() - t0
     del scratch
     mem.settle()
     f1, r1 = mem.free(), mem.reserved()
-    graphs = backend.num_graphs
-    out.update(capture_bytes=f0 - f1, reserved_growth_bytes=r1 - r0, graphs=graphs,
-               static_bytes=runner.static_bytes, retained_bytes=runner.retained_input_bytes,
+    out.update(capture_bytes=f0 - f1, reserved_growth_bytes=r1 - r0, graphs=backend.num_graphs,
+               static_bytes=runner.static_bytes, retained_bytes=backend.retained_bytes(),
                free_after_capture=f1)
     out["pool_bytes"] = out["reserved_growth_bytes"] - out["static_bytes"]
     out["non_allocator_bytes"] = out["capture_bytes"] - out["reserved_growth_bytes"]
     if dp is not None:
-        out["retained_per_bucket"] = {n: runner._dp_inputs(n).nbytes for n in runner.captured}
+        out["retained_per_bucket"] = {n: backend.retained(n).nbytes for n in runner.captured}
     fb, fn = (free_before, f1) if cuda else (64 << 20, (64 << 20) - weights)  # CPU: pretend
     plan = plan_kv(fb, fn, FRACTION, cfg, dtype.itemsize, PAGE, (2 << 20) if cuda else 1)
     pool = KVPool(cfg, max(plan.tokens, PAGE), PAGE, dtype, dev)  # allocates: it must fit
@@ -182,12 +193,13 @@ def worker(spec: dict, group: DPGroup | None = None,
         cfg.kv_bytes_per_token(dtype.itemsize), 1), kv_tokens=pool.capacity_tokens,
         kv_pool_bytes=pool.nbytes)
     if then is not None:
-        out["then"] = then(runner, pool)
+        out["then"] = then(lambda chunks, kv: route(runner, eager, chunks, kv), runner, pool)
     del pool
     mem.settle()
     if spec.get("latency"):
         out["latency"] = latency(runner, cuda, tuple(spec["latency"]))
     runner.close()
+    backend.close()
     return out
 
 
@@ -197,24 +209,25 @@ def sanitize_smoke() -> None:
     cfg = preset("smollm2-135m", **TINY)
     model = random_model(cfg, "cuda", torch.bfloat16)
     stream = torch.cuda.Stream()
-    runner = PrefillRunner(model, Buckets((16, 64)), CudaGraphBackend(stream), stream=stream,
-                           shared_max_tokens=16)  # bucket 16: the layer-indexed segment
+    backend = CudaGraphBackend(stream)
+    runner = BreakableRunner(model, Buckets((16, 64)), backend, stream)
     runner.capture(KVPool(cfg, PAGE, PAGE, torch.bfloat16, "cuda").cache)
     pool = KVPool(cfg, 256, PAGE, torch.bfloat16, "cuda")
     ids = torch.randint(0, cfg.vocab_size, (70,)).tolist()
     pages = tuple(pool.allocator.alloc(5))
     worst = 0.0
     with torch.inference_mode():
-        runner.prefill([SeqChunk(tuple(ids[:20]), 0, pages)], pool.cache)  # a 20-token prefix
+        runner.run([SeqChunk(tuple(ids[:20]), 0, pages)], pool.cache)  # a 20-token prefix
         for new in (ids[20:31], ids[20:70]):  # 11 -> bucket 16, 50 -> bucket 64
-            with runner.on_stream():
+            with on_stream(stream):
                 batch = build_batch([SeqChunk(tuple(new), 20, pages)], pool.cache, "cuda",
-                                    pad_to=runner.pad_to_bucket(len(new)))
-                worst = max(worst, relerr(runner.forward_graph(batch),
-                                          runner.forward_eager(batch)))
+                                    pad_to=runner.buckets.pad_to_bucket(len(new)))
+                worst = max(worst, relerr(runner.forward(batch),
+                                          model(batch.input_ids, batch.positions, batch.meta)))
     torch.cuda.synchronize()
-    graphs = runner.backend.num_graphs
+    graphs = backend.num_graphs
     runner.close()
+    backend.close()
     print(f"sanitize smoke: {graphs} graphs captured and freed, replay vs eager relerr "
           f"{worst:.2e}")
     assert worst <= 1e-3, worst
@@ -226,8 +239,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         if args.models and model not in args.models:
             continue
         spec = dict(model=model, variant=variant, device="cuda", max_tokens=args.max_tokens,
-                    latency=(list(LAT_TOKENS) if variant == "main" else
-                             [16, 64, 256] if variant == "perlayer" else None))
+                    latency=list(LAT_TOKENS) if variant == "main" else None)
         if time.perf_counter() - t_start > args.budget_s:
             results.append(dict(model=model, variant=variant, error="skipped: time budget"))
             continue
@@ -263,7 +275,7 @@ def main() -> None:
     from bench.capture_report import write_report
 
     if args.dry_run:
-        variants = ("main", "dp1", "ungated", "separate", "warm")
+        variants = ("main", "dp1", "warm")
         results = [worker(dict(model="smollm2-135m", variant=v, device="cpu", max_tokens=64,
                                overrides=TINY, latency=[16, 64] if v == "main" else None))
                    for v in variants]

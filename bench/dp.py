@@ -4,12 +4,10 @@ and retained bytes per rank, KV tokens per rank.
 One process per GPU (NCCL; NVLink multicast off, see bench/h200_session.sh). Every rank builds
 the same random-weight model, shards its MLP, captures the default 58-bucket ladder to 8,192
 tokens through bench/capture.py's worker (so capture memory is measured the same way), sizes
-its KV pool at MEM_FRACTION_STATIC 0.85, then times `PrefillRunner.prefill` on its own prompts
-in lockstep with the other ranks (the service's per-step path: count all-gather, batch build,
-graph replay, logits to the host). DP_SIZE 1 is the service's non-DP configuration.
-
-  dp       retention gated: each bucket keeps only its capture-only counts tensor
-  ungated  every capture batch retained (what the gate saves, on the DP path)
+its KV pool at MEM_FRACTION_STATIC 0.85, then times `DPRunner.run` on its own prompts in
+lockstep with the other ranks (the per-step path: count all-gather, batch build, graph replay,
+logits). Each bucket keeps only its capture-only counts tensor. DP_SIZE 1 ("main") is the
+service's non-DP configuration.
 
 Usage: python -m bench.dp                      # 2 GPUs, ~3 minutes
        python -m bench.dp --dry-run            # CPU: 2 gloo processes, tiny model
@@ -37,14 +35,13 @@ from bench.common import markdown_table, out_dir, run_meta, write_results  # noq
 from service.engine.batch import SeqChunk  # noqa: E402
 from service.engine.dp import close_dp, init_dp  # noqa: E402
 from service.engine.kv_pool import KVPool  # noqa: E402
-from service.engine.runner import PrefillRunner  # noqa: E402
 
 MODELS = ("llama-3.2-1b", "llama-3.1-8b")
 CASES = ((8, 1024), (64, 128))  # prompts x tokens, per rank: 8,192-token steps
 MB = float(1 << 20)
 
 
-def throughput(runner: PrefillRunner, pool: KVPool, cases, iters: int, cuda: bool) -> list[dict]:
+def throughput(prefill, runner, pool: KVPool, cases, iters: int, cuda: bool) -> list[dict]:
     """Prompt tokens/s of every rank's steps together; each rank prefills its own prompts."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     g = torch.Generator().manual_seed(rank)
@@ -56,7 +53,7 @@ def throughput(runner: PrefillRunner, pool: KVPool, cases, iters: int, cuda: boo
         def step(prompts: list = prompts, s: int = s) -> str:
             chunks = [SeqChunk(p, 0, tuple(pool.allocator.alloc(-(-s // PAGE))))
                       for p in prompts]
-            _, _, mode = runner.prefill(chunks, pool.cache)
+            _, _, mode = prefill(chunks, pool.cache)
             if cuda:  # the logits stay on the device: wait for them, as a server would
                 torch.cuda.synchronize(runner.device)
             for c in chunks:
@@ -90,8 +87,9 @@ def rank_main(rank: int, world: int, port: int, spec: dict, result: str) -> None
         group = init_dp(rank, world, backend, f"tcp://127.0.0.1:{port}")
     then = None
     if spec.get("cases"):
-        def then(runner: PrefillRunner, pool: KVPool) -> dict:
-            return dict(throughput=throughput(runner, pool, spec["cases"], spec["iters"], cuda))
+        def then(prefill, runner, pool: KVPool) -> dict:
+            return dict(throughput=throughput(prefill, runner, pool, spec["cases"],
+                                              spec["iters"], cuda))
     out = worker(spec, group, then)
     out.update(world=world, rank=rank)
     everyone = [None] * world
@@ -110,7 +108,7 @@ def run(model: str, variant: str, world: int, args: argparse.Namespace) -> dict:
 
     device = "cpu" if args.dry_run else "cuda"
     spec = dict(model=model, variant=variant, device=device, max_tokens=args.max_tokens,
-                cases=[list(c) for c in args.cases] if variant != "ungated" else None,
+                cases=[list(c) for c in args.cases],
                 iters=args.iters)
     if args.dry_run:
         spec["overrides"] = TINY
@@ -153,14 +151,7 @@ def report(results: list[dict]) -> str:
                         for x in r["ranks"])
             target_rows.append([f"{r['model']} DP {r['world']}: retained ≤ 4 KiB per bucket",
                                 f"max {worst} B", "PASS" if worst <= 4096 else "FAIL"])
-            ung = by.get((r["model"], r["world"], "ungated"))
-            if ung is not None:
-                saved = ung["ranks"][0]["retained_bytes"] - r["ranks"][0]["retained_bytes"]
-                target_rows.append([f"{r['model']} DP {r['world']}: gate saves (rank 0)",
-                                    f"{saved / MB:.1f} MB retained", "n/a"])
-    for (model, world, variant), r in sorted(by.items()):
-        if variant == "ungated":
-            continue
+    for (model, world, _), r in sorted(by.items()):
         base = by.get((model, 1, "main"))
         for i, t in enumerate(r["ranks"][0].get("then", {}).get("throughput", [])):
             b = base["ranks"][0]["then"]["throughput"][i]["tokens_per_s"] if base else None
@@ -185,7 +176,7 @@ def plot(results: list[dict], directory: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    ok = [r for r in results if "error" not in r and r["variant"] != "ungated"]
+    ok = [r for r in results if "error" not in r]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels, vals = [], []
     for r in ok:
@@ -209,7 +200,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--variants", default="main,dp,ungated", help="main = DP size 1 (non-DP)")
+    p.add_argument("--variants", default="main,dp", help="main = DP size 1 (non-DP)")
     p.add_argument("--cases", default=",".join(f"{b}x{s}" for b, s in CASES))
     args = p.parse_args()
     args.cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
@@ -221,9 +212,8 @@ def main() -> None:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (KINDS.md)
     results, variants = [], args.variants.split(",")
     for model in args.models.split(","):
-        for variant in variants:  # ungated (capture memory only) on the first model alone
-            if variant != "ungated" or model == args.models.split(",")[0]:
-                results.append(run(model, variant, 1 if variant == "main" else args.world, args))
+        for variant in variants:
+            results.append(run(model, variant, 1 if variant == "main" else args.world, args))
     md = report(results)
     pngs = plot(results, out_dir())
     write_results(out_dir(), "dp", run_meta(), {"results": results},

@@ -84,14 +84,13 @@ def timed(fn, reps: int, warmup: int = 3, warmup_s: float = 0.2) -> float:
 
 
 def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True,
-               fold: bool = True, full_blas: str = "cublaslt") -> EngineConfig:
+               fold: bool = True) -> EngineConfig:
     return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
                         mem_fraction_static=0.70, max_prefill_tokens=8192,
                         cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
                         page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
-                        max_batch_prompts=256, kv_cache_bytes=1 << 28, dp_size=1,
-                        cuda_graph_full_max_tokens=1024 if full else 0, fold_norms=fold,
-                        cuda_graph_full_blas=full_blas)
+                        max_batch_prompts=256, kv_cache_bytes=1 << 28,
+                        cuda_graph_full_max_tokens=1024 if full else 0, fold_norms=fold)
 
 
 def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> dict:
@@ -101,9 +100,9 @@ def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> d
         pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
         chunks = [SeqChunk.of(x, 0, p) for x, p in zip(ids, pages)]  # as Requests make them
         ms = timed(lambda: engine.forward(chunks), 30 if bs * s <= 1024 else 10)  # noqa: B023
-        full = engine.runner.full_forwards
+        full = engine.runs.get("full", 0)
         mode = engine.forward(chunks).mode
-        out[f"{bs}x{s}"] = dict(ms=ms, mode="full-graph" if engine.runner.full_forwards > full
+        out[f"{bs}x{s}"] = dict(ms=ms, mode="full-graph" if engine.runs.get("full", 0) > full
                                 else mode)
         for p in pages:
             engine.pool.allocator.free(p)

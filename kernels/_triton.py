@@ -1,8 +1,4 @@
-"""Import triton, or stand-ins that fail loudly at launch, so the `_ref` functions work without it.
-
-Triton ships for Linux x86-64 only; a CPU-only install (e.g. a laptop) still serves through the
-PyTorch references. Kernel modules import `triton`/`tl` from here instead of from triton directly.
-"""
+"""triton and tl, or stand-ins that fail at launch: without Triton the `_ref` functions serve."""
 
 from __future__ import annotations
 
@@ -37,10 +33,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 @triton.jit
 def dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """tl.dot(a, b, acc) for the kernels' matmuls (acc may be None).
-
-    NOTE: Triton 3.6's interpreter multiplies bf16 bit patterns as integers in tl.dot, so on
-    CPU the launchers set DOT_UPCAST: same bf16-rounded operands, multiplied in fp32."""
+    """tl.dot(a, b, acc) (acc may be None). NOTE: Triton 3.6's interpreter multiplies bf16 bit
+    patterns as integers, so on the CPU DOT_UPCAST multiplies the bf16 operands in fp32."""
     if DOT_UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)

@@ -1,13 +1,8 @@
-"""SiLU-and-mul, the gated MLP activation of Llama: out = silu(x[:, :F]) * x[:, F:].
+"""SiLU-and-mul, Llama's gated MLP activation: out = silu(x[:, :F]) * x[:, F:].
 
-Algorithm: elementwise, computed in fp32 and rounded once to the input dtype (vLLM's choice; the
-Hugging Face module rounds after silu and after the product, a difference well under bf16's step).
-Shapes: x (T, 2F) with a contiguous last dim (rows may be strided) -> out (T, F). Grid
-(T, cdiv(F, BLOCK_F)): each program reads 2 * BLOCK_F and writes BLOCK_F elements, memory-bound.
-
-Folded-norm prologue (`norm_rows`): with the post-attention RMSNorm's weight folded into the
-gate/up weight, gate and up are each rstd(x) times their un-normalized value (kernels/rope.py
-says why), so each program first reads its token's row of x (the residual stream) for rstd.
+Elementwise in fp32, rounded once (vLLM's choice). x (T, 2F), last dim contiguous -> out (T, F);
+grid (T, cdiv(F, BLOCK_F)), memory-bound. With `norm_rows` (the post-attention norm folded into
+the gate/up weight, see kernels/rope.py) gate and up are first scaled by the row's rstd.
 """
 
 from __future__ import annotations
@@ -55,8 +50,7 @@ def silu_and_mul(
     x: torch.Tensor, out: torch.Tensor | None = None, *, norm_rows: torch.Tensor | None = None,
     eps: float = 0.0, block_f: int = 1024, wrap=None
 ) -> torch.Tensor:
-    """x (T, 2F) -> silu(x[:, :F]) * x[:, F:] of shape (T, F), in x's dtype. With `norm_rows`
-    (T, hidden): silu(s * x[:, :F]) * s * x[:, F:], s = 1/rms(norm_rows[t]) (eps inside)."""
+    """silu(s * x[:, :F]) * s * x[:, F:], s = 1/rms(norm_rows[t]) with `norm_rows`, else 1."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be (T, 2F), got {tuple(x.shape)}"
     assert x.stride(1) == 1, "x: last dim must be contiguous"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {x.dtype}"
@@ -72,9 +66,7 @@ def silu_and_mul(
     if T == 0 or n == 0:
         return out
     block = min(block_f, triton.next_power_of_2(n))
-    # NOTE: with norm_rows every program reads its row's norm row; at many rows (where the
-    # grid is large anyway) a program takes up to 4 column blocks so fewer programs re-read it
-    # (SmolLM2-135M at 8,192 rows: 2 programs per row made the kernel 43 % slower than plain)
+    # with norm_rows every program re-reads its norm row: at many rows, fewer wider programs
     iters = min(4, triton.cdiv(n, block)) if norm and T >= 1024 else 1
     kernel = wrap(_silu_and_mul_kernel) if wrap is not None else _silu_and_mul_kernel
     kernel[(T, triton.cdiv(n, block * iters))](

@@ -1,13 +1,7 @@
 """Scatter the new tokens' K and V into the paged KV pool: cache[slot_mapping[t]] = x[t].
 
-Algorithm: a plain row copy, one program per token moving its (KVH, D) key and value rows; slot
-numbers come from the page table (slot = page * page_size + offset) and are computed by the
-caller. Padded tokens carry the reserved dummy slot 0: several programs may then write slot 0 in
-any order, which is harmless because nothing reads it.
-
-Shapes: k, v (T, KVH, D) with a contiguous last dim (rows may be strided views of a fused qkv
-buffer); k_cache, v_cache (num_slots, KVH, D) contiguous; slot_mapping (T,) int32 or int64.
-The copy is memory-bound; 64-bit slot offsets keep pools beyond 2**31 elements correct.
+One program copies a token's (KVH, D) rows; 64-bit slot offsets. Padded tokens all write the
+dummy slot 0, in any order: nothing reads it. k, v (T, KVH, D), strided rows; slots (T,) int.
 """
 
 from __future__ import annotations
@@ -60,9 +54,7 @@ def prepare_store_kv(
     *,
     wrap=None,
 ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
-    """Check and bind everything but the cache tensors once; returns `launch(k_cache, v_cache)`
-    (None when there is nothing to store). Every cache later passed to `launch` must have the
-    shape, dtype and strides of the one given here (a KV pool's layers all do)."""
+    """Bind all but the caches once: `launch(k_cache, v_cache)`, or None (nothing to store)."""
     T, KVH, D = k.shape
     assert v.shape == k.shape, f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):

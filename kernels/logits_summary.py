@@ -1,21 +1,9 @@
-"""What the first token needs from each row of logits, in two launches: the greedy token, its
-logprob, and the top-k tokens with their logprobs (log_softmax of the row).
+"""Each logits row's greedy token and top-k tokens with logprobs, in two launches (PyTorch: ~20).
 
-Why: PyTorch needs ~20 launches for this (log_softmax, argmax, a radix top-k of several kernels,
-gather, casts, cat), ~0.1 ms of GPU time for a 128k vocabulary on the H200 even on a single row,
-at the end of every full-graph forward (service.engine.full_graph). These two take 18-24 us
-on the H200 for 1-8 rows of a 49k or 128k vocabulary (bench/results/e2e-s6 profiles).
-
-Algorithm: split-row reduction (the two-stage shape of a parallel reduction).
-  1. grid (rows, chunks): each program loads CHUNK logits of one row (upcast to fp32, copied to
-     `logits_out` if given), and writes the chunk's max, its sum of exp(x - max), and its own
-     top-k (k rounds of "take the max, knock it out").
-  2. grid (rows,): log-sum-exp from the chunk partials; the row's top-k from the chunks'
-     candidates, by the same rounds; then one row of float64 output.
-Ties go to the lowest token id, as torch.argmax does (torch.topk leaves their order unspecified).
-
-Shapes: logits (B, V) bf16/fp16/fp32, last dim contiguous -> out (B, 2 + 2k) float64: greedy id,
-its logprob, k ids (best first), their k logprobs; k <= V. Ids are exact in float64.
+Two-stage split-row reduction: (1) per CHUNK of a row, its max, sum of exp(x - max) and top-k (k
+rounds of "take the max, knock it out"), the logits copied to `logits_out` in passing; (2) per
+row, log-sum-exp and top-k from those partials. Ties go to the lowest id, as torch.argmax does.
+logits (B, V) -> out (B, 2 + 2k) float64: greedy id, its logprob, k ids, their logprobs.
 """
 
 from __future__ import annotations
@@ -48,8 +36,7 @@ def _chunk_kernel(
     cand = (row * n_chunks + c) * K
     for i in range(K):
         v = tl.max(x, axis=0)
-        # NOTE: clamped: a NaN row matches nothing, and an id past the vocabulary must not
-        # reach the detokenizer (the row's values are NaN either way)
+        # NOTE: clamped: a NaN row matches nothing, and no id past the vocabulary may escape
         idx = tl.minimum(tl.min(tl.where(x == v, offs, 2147483647), axis=0), V - 1)
         tl.store(cand_v_ptr + cand + i, v)
         tl.store(cand_i_ptr + cand + i, idx)
@@ -87,8 +74,7 @@ def _merge_kernel(
 
 def logits_summary(logits: torch.Tensor, k: int, out: torch.Tensor,
                    logits_out: torch.Tensor | None = None, *, wrap=None) -> torch.Tensor:
-    """Fill out (B, 2 + 2k) float64 from logits (B, V); with `logits_out` (B, V) fp32, also
-    copy the logits there (fp32) in the same pass. Returns out."""
+    """Fills and returns out; `logits_out` (B, V) fp32 gets the logits in the same pass."""
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be (B, V), last dim packed"
     assert logits.dtype in (torch.bfloat16, torch.float16, torch.float32), f"{logits.dtype}"
     b, v = logits.shape

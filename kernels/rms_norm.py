@@ -1,14 +1,8 @@
-"""RMSNorm and fused residual-add + RMSNorm, one program per row.
+"""RMSNorm (Zhang & Sennrich, 2019) and fused residual-add + RMSNorm, one program per row.
 
-Algorithm: Zhang & Sennrich (2019) RMSNorm, y = x / sqrt(mean(x^2) + eps) * w, with the
-Hugging Face Llama rounding: the mean and the normalisation in fp32, the normalised row cast to
-the input dtype, then multiplied by the weight (the product rounded once to the input dtype).
-`fused_add_rms_norm` follows vLLM's in-place contract: residual <- x + residual (rounded to the
-input dtype, as `x + residual` is in PyTorch), x <- rms_norm(residual).
-
-Shapes: x (T, N) with any N (576, 896, 2048, 4096, ...); rows may be strided, the last dim must be
-contiguous. One program holds a whole row in registers (BLOCK_N = next power of two >= N), which
-is one read and one write per element; rows wider than 65536 would need a two-pass loop instead.
+Rounded as Hugging Face Llama does: fp32 statistics, the normalised row cast to the input dtype,
+then times the weight. x (T, N), last dim contiguous; a whole row sits in registers (one read,
+one write per element; N <= 65536). `fused_add_rms_norm` is vLLM's in-place contract.
 """
 
 from __future__ import annotations
@@ -20,8 +14,7 @@ from kernels._triton import tl, triton
 
 @triton.jit
 def rstd(x, n_cols, eps):
-    """1 / sqrt(mean(x^2) + eps) of a loaded fp32 row (zeros past n_cols): the RMSNorm
-    statistic."""
+    """1 / sqrt(mean(x^2) + eps) of a loaded fp32 row (zeros past n_cols)."""
     return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
 
 
@@ -39,15 +32,12 @@ def _rms_norm_kernel(
     r_ptr,
     w_ptr,
     out_ptr,
-    layer_ptr,
     n_cols,
     eps,
     stride_xt,
     stride_rt,
     stride_ot,
     HAS_RESIDUAL: tl.constexpr,
-    HAS_LAYER: tl.constexpr,
-    LAYER_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -62,19 +52,15 @@ def _rms_norm_kernel(
         tl.store(r_ptr + row * stride_rt + cols, s, mask=mask)
         x = s.to(tl.float32)
     y = (x * rstd(x, n_cols, eps)).to(dtype).to(tl.float32)
-    if HAS_LAYER:  # weight (L, N): the row of layer[0] + LAYER_OFFSET
-        w_ptr += (tl.load(layer_ptr) + LAYER_OFFSET).to(tl.int64) * n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_ot + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out, wrap, layer=None, offset=0):
+def _launch(x, residual, weight, eps, out, wrap):
     assert x.dim() == 2 and x.stride(1) == 1, "x must be (T, N) with a contiguous last dim"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {x.dtype}"
     T, N = x.shape
-    w_shape = (N,) if layer is None else (weight.shape[0], N)
-    assert weight.shape == w_shape and weight.is_contiguous(), f"weight shape {tuple(weight.shape)}"
-    assert layer is None or (layer.dtype == torch.int32 and layer.numel() == 1), "layer: int32 (1,)"
+    assert weight.shape == (N,) and weight.is_contiguous(), f"weight shape {tuple(weight.shape)}"
     assert out.shape == (T, N) and out.stride(1) == 1 and out.dtype == x.dtype, "bad out"
     if residual is not None:
         assert residual.shape == (T, N) and residual.dtype == x.dtype and residual.stride(1) == 1
@@ -88,15 +74,12 @@ def _launch(x, residual, weight, eps, out, wrap, layer=None, offset=0):
         residual if residual is not None else x,
         weight,
         out,
-        layer if layer is not None else weight,
         N,
         eps,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         HAS_RESIDUAL=residual is not None,
-        HAS_LAYER=layer is not None,
-        LAYER_OFFSET=offset,
         BLOCK_N=block,
         num_warps=min(max(block // 256, 1), 16),
     )
@@ -104,38 +87,27 @@ def _launch(x, residual, weight, eps, out, wrap, layer=None, offset=0):
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *,
-    layer: torch.Tensor | None = None, offset: int = 0, wrap=None
+    wrap=None
 ) -> torch.Tensor:
-    """y = rms_norm(x) * weight, in x's dtype. x: (T, N). With `layer` (int32 (1,) on the
-    device), weight is an (L, N) stack and row layer[0] + offset is used."""
+    """y = rms_norm(x) * weight, in x's dtype. x: (T, N)."""
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, None, weight, eps, out, wrap, layer, offset)
+    _launch(x, None, weight, eps, out, wrap)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-    layer: torch.Tensor | None = None, offset: int = 0, wrap=None
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, wrap=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual <- x + residual; x <- rms_norm(residual) * weight; returns both."""
-    _launch(x, residual, weight, eps, x, wrap, layer, offset)
+    _launch(x, residual, weight, eps, x, wrap)
     return x, residual
 
 
-def layer_row(weight: torch.Tensor, layer: torch.Tensor | None, offset: int) -> torch.Tensor:
-    """weight, or row layer[0] + offset of an (L, N) stack (picked on the device, no sync)."""
-    if layer is None:
-        return weight
-    return weight.index_select(0, layer.long() + offset)[0]
-
-
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-    layer: torch.Tensor | None = None, offset: int = 0
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Hugging Face LlamaRMSNorm, with the product cast to x's dtype."""
-    weight = layer_row(weight, layer, offset)
     y = (x.float() * row_rstd_ref(x, eps)).to(x.dtype)
     y = (weight * y).to(x.dtype)
     if out is None:
@@ -145,12 +117,11 @@ def rms_norm_ref(
 
 
 def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    layer: torch.Tensor | None = None, offset: int = 0
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, like `fused_add_rms_norm`."""
     residual.add_(x)
-    x.copy_(rms_norm_ref(residual, weight, eps, layer=layer, offset=offset))
+    x.copy_(rms_norm_ref(residual, weight, eps))
     return x, residual
 
 

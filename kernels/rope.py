@@ -1,19 +1,9 @@
-"""Rotary position embedding (neox style, rotate halves) applied in place to q and k.
+"""Rotary position embedding (Su et al., 2021; GPT-NeoX halves, as in HF Llama), in place.
 
-Algorithm: Su et al. (2021) RoPE in the GPT-NeoX layout that Hugging Face Llama uses: with
-x1 = x[..., :D/2], x2 = x[..., D/2:], out1 = x1*cos - x2*sin and out2 = x2*cos + x1*sin, where
-cos/sin come from a (max_pos, D) fp32 cache (cos in [:, :D/2], sin in [:, D/2:]) built by
-`rope_cos_sin_cache`, which implements Llama-3 `rope_scaling` like transformers does.
-
-Shapes: q (T, H, D), k (T, KVH, D), possibly strided views of one fused qkv buffer (last dim
-contiguous); positions (T,) int32/int64. One program per token rotates all of its q and k heads,
-so cos/sin are read once per token; math in fp32, one rounding to the input dtype.
-
-Folded-norm epilogue (`norm_rows`): when the input RMSNorm's weight is folded into the QKV
-weight, rms_norm(x) @ W^T = rstd(x) * (x @ (W * g)^T) per token, so the norm kernel can go and
-its per-token scale moves here: this kernel reads the token's un-normalized row (one more row
-read, against the norm kernel's two reads and two writes), scales q, k and v by it, adds the
-projection's bias (which must not be scaled, so the GEMM cannot add it), then rotates q and k.
+out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin from a (max_pos, D) fp32 cos|sin cache. q (T, H, D),
+k (T, KVH, D), strided rows; one program per token rotates all its heads. Folded norm
+(`norm_rows`): rms_norm(x) @ W^T = rstd(x) * (x @ (W * g)^T), so the input norm's kernel goes and
+its scale is applied here to q, k, v before the bias (which the GEMM cannot add) and the rotation.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import math
 import torch
 
 from kernels._triton import tl, triton
-from kernels.rms_norm import layer_row, row_rstd, row_rstd_ref
+from kernels.rms_norm import row_rstd, row_rstd_ref
 
 
 @triton.jit
@@ -41,8 +31,7 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """Heads of one token in place: x <- rotate(x * scale + bias) (ROTATE) or x * scale + bias.
-    The bias row is laid out like the heads (head h at 2*HALF*h)."""
+    """One token's heads in place: x <- rotate(x * scale + bias), or without rotate."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
@@ -73,7 +62,6 @@ def _apply_rope_kernel(
     cos_sin_ptr,
     norm_ptr,
     bias_ptr,
-    layer_ptr,
     n_q_heads,
     n_k_heads,
     stride_qt,
@@ -86,11 +74,8 @@ def _apply_rope_kernel(
     stride_nt,
     norm_cols,
     eps,
-    stride_bl,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_LAYER: tl.constexpr,
-    LAYER_OFFSET: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -106,8 +91,6 @@ def _apply_rope_kernel(
     scale = 1.0
     if NORM:  # the folded RMSNorm: q, k, v scaled by the norm row's rstd
         scale = row_rstd(norm_ptr + t * stride_nt, norm_cols, eps, BLOCK_NORM)
-    if HAS_LAYER:  # bias (L, N): the row of layer[0] + LAYER_OFFSET
-        bias_ptr += (tl.load(layer_ptr) + LAYER_OFFSET).to(tl.int64) * stride_bl
     q_size = n_q_heads * 2 * HALF
     k_size = n_k_heads * 2 * HALF
     _rotate_heads(q_ptr + t * stride_qt, n_q_heads, stride_qh, cos, sin, scale, bias_ptr,
@@ -129,16 +112,9 @@ def apply_rope(
     norm_rows: torch.Tensor | None = None,
     eps: float = 0.0,
     bias: torch.Tensor | None = None,
-    layer: torch.Tensor | None = None,
-    offset: int = 0,
     wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q (T, H, D) and k (T, KVH, D) in place by `positions`; returns (q, k).
-
-    With `norm_rows` (T, hidden): the epilogue of a QKV projection whose weight has the input
-    RMSNorm's weight folded in (service.model.llama): q, k and v (T, KVH, D) are first scaled
-    by each token's 1/rms(norm_rows[t]) (eps inside the root) and given `bias` ((H+2KVH)*D,
-    or (L, ...) with `layer`/`offset` as in kernels/rms_norm), then q and k rotated."""
+    """Rotates q and k in place; with `norm_rows` q, k, v first scaled and given `bias`."""
     T, H, D = q.shape
     assert k.dim() == 3 and k.shape[0] == T and k.shape[2] == D, f"k shape {tuple(k.shape)}"
     assert D % 2 == 0, f"head_dim {D} must be even"
@@ -156,8 +132,7 @@ def apply_rope(
         assert triton.next_power_of_2(norm_rows.shape[1]) <= 65536, "norm rows too wide"
     if bias is not None:
         width = (H + 2 * kvh) * D
-        shape = (width,) if layer is None else (bias.shape[0], width)
-        assert bias.shape == shape and bias.is_contiguous(), f"bias shape {tuple(bias.shape)}"
+        assert bias.shape == (width,) and bias.is_contiguous(), f"bias shape {tuple(bias.shape)}"
     if T == 0:
         return q, k
     kernel = wrap(_apply_rope_kernel) if wrap is not None else _apply_rope_kernel
@@ -169,7 +144,6 @@ def apply_rope(
         cos_sin_cache,
         norm_rows if norm else q,
         bias if bias is not None else q,
-        layer if layer is not None else positions,
         H,
         kvh,
         q.stride(0),
@@ -182,11 +156,8 @@ def apply_rope(
         norm_rows.stride(0) if norm else 0,
         norm_rows.shape[1] if norm else 1,
         eps,
-        bias.stride(0) if bias is not None and layer is not None else 0,
         NORM=norm,
         HAS_BIAS=bias is not None,
-        HAS_LAYER=bias is not None and layer is not None,
-        LAYER_OFFSET=offset,
         HALF=D // 2,
         BLOCK_HQ=triton.next_power_of_2(H),
         BLOCK_HK=triton.next_power_of_2(kvh),
@@ -200,7 +171,7 @@ def apply_rope(
 def apply_rope_ref(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     *, v: torch.Tensor | None = None, norm_rows: torch.Tensor | None = None, eps: float = 0.0,
-    bias: torch.Tensor | None = None, layer: torch.Tensor | None = None, offset: int = 0
+    bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, like `apply_rope`; math in fp32."""
     half = q.shape[-1] // 2
@@ -208,8 +179,6 @@ def apply_rope_ref(
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     heads = [(q, True), (k, True)] if norm_rows is None else [(q, True), (k, True), (v, False)]
     scale = 1.0 if norm_rows is None else row_rstd_ref(norm_rows, eps)[:, :, None]  # (T, 1, 1)
-    if bias is not None:
-        bias = layer_row(bias, layer, offset)
     at = 0
     for x, rotate in heads:
         y = x.float() * scale
@@ -243,11 +212,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 def rope_cos_sin_cache(
     head_dim: int, max_pos: int, theta: float, scaling: dict | None = None
 ) -> torch.Tensor:
-    """(max_pos, head_dim) fp32 cache: cos(pos * inv_freq) | sin(pos * inv_freq), on the CPU.
-
-    `scaling` is a Hugging Face `rope_scaling` dict; None or rope_type "default" means none,
-    "llama3" is supported; anything else raises rather than being silently ignored.
-    """
+    """(max_pos, D) fp32 cos | sin on the CPU; `scaling`: HF rope_scaling (default or llama3)."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)  # (D/2,)
     rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))

@@ -80,7 +80,7 @@ class DrainingServer(uvicorn.Server):
                "drain timeout" if time.monotonic() >= self.drain_deadline else None)
         if why is None:
             return
-        from service.engine.request import NotReady
+        from service.engine.prompt import NotReady
 
         n = state.scheduler.abort(NotReady("server is shutting down; retry on another replica"))
         log.warning("%s: answering %d requests in flight with 503", why, state.active_requests

@@ -1,14 +1,19 @@
-"""Settings, read once from the environment at start-up (pydantic-settings).
+"""Settings: every environment variable the service reads, read once at start-up.
+
+`Settings` is the one source: each field's description is the README's settings table
+(`python -m service.config` prints it; a test keeps the README equal), and the frozen
+`EngineConfig` / `ServerConfig` below take their values from it by field name, with the "auto"
+values resolved (`resolve`). Nothing below this module reads the environment.
 
 No prefix on purpose: Kubernetes injects `<SERVICE>_PORT`-style variables for every Service, so a
-prefix such as `PREFILL_` could collide with a Service named `prefill`. Nothing below this module
-reads the environment: it receives the frozen `EngineConfig` / `ServerConfig` built here.
+prefix such as `PREFILL_` could collide with a Service named `prefill`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -21,83 +26,99 @@ class ConfigError(Exception):
     """An environment variable has a value the service cannot use."""
 
 
+def _shown(text: str) -> dict[str, Any]:
+    """The README's default column where the default is computed, not a literal."""
+    return {"json_schema_extra": {"shown_default": text}}
+
+
+Finite = dict(allow_inf_nan=False)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", frozen=True)
 
-    mem_fraction_static: float = Field(0.85, gt=0.0, lt=1.0, allow_inf_nan=False, description=(
-        "Fraction of the GPU memory free before the weights load that weights + CUDA graphs + "
-        "KV pool may use (SGLang's meaning); the rest is reserve for activations."))
-    model_path: str | None = Field(None, description=(
-        "HF checkpoint directory or .gguf file; default: the embedded SmolLM2-135M-Instruct."))
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    max_prefill_tokens: int = Field(8192, ge=16, le=1 << 20,
-                                    description="Token budget of one forward.")
+    mem_fraction_static: float = Field(0.85, gt=0.0, lt=1.0, **Finite, description=(
+        "0 < x < 1. Share of the GPU memory free before the weights load that weights + CUDA "
+        "graphs + KV pool may take (SGLang's meaning); the rest, `(1 − x) × free_before`, is the "
+        "reserve for activations, the eager path and logits."))
+    model_path: str | None = Field(None, **_shown("embedded SmolLM2-135M-Instruct (Q4_1 GGUF)"),
+                                   description=(
+        "A Hugging Face checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`; "
+        "Llama 2/3, Qwen2/2.5, SmolLM/SmolLM2) or a llama-architecture `.gguf` file."))
+    model_preset: str | None = Field(None, description=(
+        "Random weights of a real shape (`smollm2-135m`, `qwen2.5-0.5b`, `llama-3.2-1b`, "
+        "`llama-3.1-8b`) with MODEL_PATH's tokenizer: for benchmarks."))
+    served_model_name: str | None = Field(None, **_shown("the file or directory name"),
+                                          description=(
+        "The model id in responses, `/v1/models`, logs and the metrics' `model_name` label."))
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description=(
+        "`auto`, `cuda` or `cpu`."))
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
+        "`auto` (bf16 on a GPU, fp32 on the CPU), `bfloat16`, `float16`, `float32`."))
+    max_prefill_tokens: int = Field(8192, ge=16, le=1 << 20, description=(
+        "Token budget of one forward; longer prompts are prefilled in chunks."))
+    max_prompt_tokens: int = Field(32768, ge=1, le=1 << 20, description=(
+        "Longest prompt accepted (400 beyond). The limit the service advertises (`/info`, "
+        "`/v1/models` `max_model_len`) and enforces is the smallest of this, the model's "
+        "context length and the KV pool's capacity."))
+    max_queue_requests: int = Field(256, ge=1, description=(
+        "Prompts waiting before new requests get 429."))
+    max_batch_prompts: int = Field(256, ge=1, description="Prompts in one forward at most.")
+    page_size: int = Field(16, ge=1, le=256, description="KV-cache page size in tokens.")
+    prefix_cache: bool = Field(True, description=(
+        "Keep finished prompts' full KV pages (LRU-evictable) and reuse them for later prompts "
+        "with the same prefix; `cached_tokens` reports the reuse."))
+    kv_cache_bytes: int | None = Field(None, ge=1 << 20,
+                                       **_shown("two prompts of the longest accepted length"),
+                                       description=(
+        "KV pool size on the CPU (there is no GPU memory to measure)."))
     cuda_graph_max_tokens: int = Field(8192, ge=0, le=1 << 20, description=(
-        "Largest CUDA-graph bucket (tokens); 0 disables graphs."))
-    cuda_graph_buckets: str | None = Field(None, description=(
-        "Comma-separated bucket ladder overriding the default (SGLang-like) ladder."))
-    cuda_graph_shared_max_tokens: int = Field(32, ge=0, le=1 << 20, description=(
-        "Buckets up to this many tokens capture one middle-layer graph that every layer "
-        "replays (weights picked on the device): ~130 KB of driver memory per graph saved "
-        "per layer and bucket. 0: one graph per layer everywhere."))
+        "Largest CUDA-graph bucket; `0` disables graphs."))
+    cuda_graph_buckets: str | None = Field(None, **_shown("SGLang-like ladder"), description=(
+        "Comma-separated token buckets overriding the default ladder."))
     cuda_graph_full_max_tokens: int = Field(1024, ge=0, le=1 << 20, description=(
-        "Buckets up to this many tokens also capture a full graph (attention inside, one "
-        "launch per forward) for batches of at most CUDA_GRAPH_FULL_MAX_SEQS prompts. "
-        "0: breakable graphs only."))
+        "Buckets up to this many tokens also capture a *full* graph: the whole forward, "
+        "attention and the first token's reductions included, replayed with one launch, for "
+        "batches of at most CUDA_GRAPH_FULL_MAX_SEQS prompts that want no prompt logprobs. "
+        "`0`: breakable graphs only."))
     cuda_graph_full_max_seqs: int = Field(8, ge=1, le=256, description=(
         "Most prompts in a batch that replays a full graph (its attention grid covers this "
         "many sequences)."))
-    cuda_graph_full_blas: Literal["cublas", "cublaslt"] = Field("cublaslt", description=(
-        "BLAS library of the full graphs' GEMMs (chosen at capture; cuBLASLt avoids a split-K "
-        "+ reduce pair at small row counts)."))
     fold_norms: bool = Field(True, description=(
-        "Fold each layer's RMSNorm weights into the projections after them (two norm kernels "
-        "fewer per layer; not for float16 models or DP_SIZE > 1)."))
-    page_size: int = Field(16, ge=1, le=256)
-    max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted.")
-    max_queue_requests: int = Field(256, ge=1, description="Prompts waiting before 429.")
-    max_batch_prompts: int = Field(256, ge=1, description="Prompts in one forward at most.")
-    api_key: str | None = Field(None, description=(
-        "Bearer token required on POST endpoints; unset: no authentication. An empty value "
-        "stops start-up (it would silently disable authentication)."))
-    kv_cache_bytes: int | None = Field(None, ge=1 << 20, description=(
-        "KV pool size on CPU (no GPU memory to measure); default: room for two prompts of "
-        "the longest accepted length."))
-    cpu_threads: int = Field(0, ge=0, le=1024, description=(
-        "Threads of torch's CPU kernels; 0: the CPUs this process may use (affinity mask and "
-        "cgroup CPU quota, i.e. a Kubernetes CPU limit)."))
-    dp_size: int = Field(1, ge=1, le=64)
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)
-    drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
-        "On SIGTERM: seconds in-flight requests get to finish; the process exits at most "
-        "SHUTDOWN_MARGIN_S later."))
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body accepted.")
-    max_header_bytes: int = Field(64 << 10, ge=1024, le=16 << 20, description=(
-        "Largest request head (request line + headers); 431 beyond."))
-    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0, allow_inf_nan=False, description=(
-        "Seconds a connection gets to send a complete request head; 408 and close beyond."))
-    body_timeout_s: float = Field(60.0, gt=0.0, le=3600.0, allow_inf_nan=False, description=(
-        "Seconds a request gets to send its whole body once its head is in; 408 and close "
-        "beyond."))
-    max_connections: int = Field(2048, ge=1, description=(
-        "Open client connections at most; a connection beyond gets a 503 and is closed."))
-    access_log: bool = Field(True, description=(
-        "Log every HTTP request (uvicorn's access log). false: ~20 % more requests/s for short "
-        "prompts, whose HTTP handling is most of their cost."))
-    served_model_name: str | None = Field(None, description=(
-        "Model id in /v1/models and responses; default: the checkpoint's file/directory name."))
-    prefix_cache: bool = Field(True, description=(
-        "Reuse the KV of full pages shared with earlier prompts (page-granular prefix cache)."))
+        "Fold each layer's RMSNorm weights into the QKV and gate/up weights at start-up, so "
+        "batches up to 6 Mi residual elements run two norm kernels fewer per layer. Ignored for "
+        "float16 models."))
     attention_hopper_kernel: bool = Field(True, description=(
-        "On Hopper GPUs, run prefix-free head_dim-128 batches of >= 1024 tokens through the "
-        "warp-specialized Gluon attention kernel (kernels/extend_attention_sm90.py); false: "
-        "the plain Triton kernel everywhere."))
-    model_preset: str | None = Field(None, description=(
-        "Random weights of a preset shape (e.g. smollm2-135m) with the default tokenizer, for "
-        "benchmarks; overrides MODEL_PATH's weights."))
+        "On Hopper GPUs, prefix-free batches with head_dim 128 of at least 1,024 tokens run "
+        "through the warp-specialized Gluon attention kernel; `false`: the plain Triton kernel "
+        "everywhere."))
+    cpu_threads: int = Field(0, ge=0, le=1024, description=(
+        "Threads of torch's CPU kernels; `0`: the CPUs this process may use (its affinity "
+        "mask capped by the cgroup CPU quota, i.e. a Kubernetes CPU limit, rounded down)."))
+    host: str = Field("0.0.0.0", description="Listen address.")
+    port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+    api_key: str | None = Field(None, description=(
+        "When set, POST endpoints need `Authorization: Bearer <key>`; `/health`, `/ready` and "
+        "`/metrics` stay open. Set but empty stops start-up (it would disable authentication)."))
+    max_body_bytes: int = Field(8 << 20, ge=1024, description=(
+        "Largest request body (413 beyond)."))
+    max_header_bytes: int = Field(64 << 10, ge=1024, le=16 << 20, description=(
+        "Largest request head, request line and headers (431 beyond, before authentication)."))
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0, **Finite, description=(
+        "Seconds a connection gets to complete a request head after opening (or after the "
+        "head's first byte); 408 and close beyond."))
+    body_timeout_s: float = Field(60.0, gt=0.0, le=3600.0, **Finite, description=(
+        "Seconds a request gets to complete its body after its head; 408 and close beyond."))
+    max_connections: int = Field(2048, ge=1, description=(
+        "Open client connections at most; one beyond gets a 503 and is closed."))
+    drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0, **Finite, description=(
+        "On SIGTERM: seconds in-flight requests get to finish; what is still in flight then "
+        "gets a JSON 503, and the process exits 0 at most 5 s after the drain."))
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description=(
+        "`debug`, `info`, `warning`, `error`."))
+    access_log: bool = Field(True, description=(
+        "One log line per HTTP request (uvicorn's access log); `false` saves its cost on "
+        "short prompts, whose HTTP handling is most of a request's."))
 
     @field_validator("cuda_graph_buckets")
     @classmethod
@@ -160,28 +181,27 @@ def _explain(err: ValidationError) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None
-    device: str  # "cuda" | "cpu" (resolved)
-    dtype: str  # "bfloat16" | "float16" | "float32" (resolved)
-    mem_fraction_static: float
-    max_prefill_tokens: int
-    cuda_graph_max_tokens: int
-    cuda_graph_buckets: tuple[int, ...] | None
-    page_size: int
-    max_prompt_tokens: int
-    max_queue_requests: int
-    max_batch_prompts: int
-    kv_cache_bytes: int | None
-    dp_size: int
-    model_preset: str | None = None  # random weights of this preset shape (benchmarks)
+    """What the engine needs, resolved: every field is the setting of the same name."""
+
+    device: str  # "cuda" | "cpu"
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    model_path: str | None = None
+    model_preset: str | None = None
+    mem_fraction_static: float = 0.85
+    max_prefill_tokens: int = 8192
+    max_prompt_tokens: int = 32768
+    max_queue_requests: int = 256
+    max_batch_prompts: int = 256
+    page_size: int = 16
     prefix_cache: bool = True
-    cuda_graph_shared_max_tokens: int = 32
-    attention_hopper_kernel: bool = True
+    kv_cache_bytes: int | None = None
+    cuda_graph_max_tokens: int = 8192  # 0 off CUDA
+    cuda_graph_buckets: tuple[int, ...] | None = None
     cuda_graph_full_max_tokens: int = 1024
     cuda_graph_full_max_seqs: int = 8
-    cuda_graph_full_blas: str = "cublaslt"
     fold_norms: bool = True
-    cpu_threads: int = 0  # torch's CPU threads; 0: leave torch's own choice
+    attention_hopper_kernel: bool = True
+    cpu_threads: int = 0  # 0: leave torch's own choice
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -189,18 +209,27 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str
-    port: int
-    api_key: str | None
-    drain_timeout_s: float
-    log_level: str
-    max_body_bytes: int
-    served_model_name: str = "model"
-    access_log: bool = True
+    """What the HTTP server needs: every field is the setting of the same name."""
+
+    served_model_name: str
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
     max_header_bytes: int = 64 << 10
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_connections: int = 2048
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    access_log: bool = True
+
+
+def _from(cls: type, settings: Settings, **resolved: Any) -> Any:
+    """`cls` with each field taken from the setting of the same name, or from `resolved`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {n: getattr(settings, n) for n in names if n in type(settings).model_fields}
+    return cls(**{**values, **resolved})
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -225,43 +254,28 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    if settings.dp_size > 1:
-        # The engine runs DP ranks (service.engine.dp, one process per GPU, in lockstep), but
-        # the HTTP service drives a single rank: refuse at start-up rather than fail mid-load.
-        raise ConfigError(f"DP_SIZE={settings.dp_size}: the HTTP service runs one rank; "
-                          "use DP_SIZE=1 (data-parallel ranks run through service.engine.dp)")
-    if settings.max_prompt_tokens > 1 << 20:
-        raise ConfigError(f"MAX_PROMPT_TOKENS={settings.max_prompt_tokens}: at most 1048576")
-    buckets = (tuple(int(x) for x in settings.cuda_graph_buckets.split(","))
-               if settings.cuda_graph_buckets else None)
-    eng = EngineConfig(
-        model_path=settings.model_path, device=device, dtype=dtype,
-        mem_fraction_static=settings.mem_fraction_static,
-        max_prefill_tokens=settings.max_prefill_tokens,
-        cuda_graph_max_tokens=settings.cuda_graph_max_tokens if device == "cuda" else 0,
-        cuda_graph_buckets=buckets, page_size=settings.page_size,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        max_queue_requests=settings.max_queue_requests,
-        max_batch_prompts=settings.max_batch_prompts,
-        kv_cache_bytes=settings.kv_cache_bytes, dp_size=settings.dp_size,
-        model_preset=settings.model_preset, prefix_cache=settings.prefix_cache,
-        cuda_graph_shared_max_tokens=settings.cuda_graph_shared_max_tokens,
-        attention_hopper_kernel=settings.attention_hopper_kernel,
-        cuda_graph_full_max_tokens=settings.cuda_graph_full_max_tokens,
-        cuda_graph_full_max_seqs=settings.cuda_graph_full_max_seqs,
-        cuda_graph_full_blas=settings.cuda_graph_full_blas,
-        fold_norms=settings.fold_norms,
-        cpu_threads=settings.cpu_threads or usable_cpus(),
-    )
-    srv = ServerConfig(host=settings.host, port=settings.port, api_key=settings.api_key or None,
-                       drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
-                       max_body_bytes=settings.max_body_bytes,
-                       access_log=settings.access_log,
-                       served_model_name=(settings.served_model_name
-                                          or model_name(settings.model_path,
-                                                        settings.model_preset)),
-                       max_header_bytes=settings.max_header_bytes,
-                       header_timeout_s=settings.header_timeout_s,
-                       body_timeout_s=settings.body_timeout_s,
-                       max_connections=settings.max_connections)
-    return eng, srv
+    buckets = settings.cuda_graph_buckets
+    eng = _from(EngineConfig, settings, device=device, dtype=dtype,
+                cuda_graph_max_tokens=settings.cuda_graph_max_tokens if device == "cuda" else 0,
+                cuda_graph_buckets=tuple(int(x) for x in buckets.split(",")) if buckets else None,
+                cpu_threads=settings.cpu_threads or usable_cpus())
+    name = settings.served_model_name or model_name(settings.model_path, settings.model_preset)
+    return eng, _from(ServerConfig, settings, served_model_name=name)
+
+
+def settings_table() -> str:
+    """The README's settings table, from the field descriptions."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra or {}
+        default = extra.get("shown_default")
+        if default is None:
+            value = field.default
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            default = "unset" if value is None else f"`{text}`"
+        rows.append(f"| `{name.upper()}` | {default} | {field.description} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(settings_table())

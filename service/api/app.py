@@ -54,7 +54,7 @@ async def _watch_load(state: AppState, on_fatal: Callable[[str], None] | None) -
     try:
         await state.scheduler.loaded
         log.info("ready: %s, KV pool %d tokens", state.model_name,
-                 state.engine.pool.capacity_tokens)
+                 state.scheduler.info.kv_capacity_tokens)
     except Exception as e:  # noqa: BLE001 - reported through /health, /ready and on_fatal
         if on_fatal is not None:
             on_fatal(str(e))  # logs the one error line itself

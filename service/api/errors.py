@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.config import error_message
 from service.engine.kv_pool import KVPoolExhausted
-from service.engine.request import ForwardFailed, NotReady, QueueFull
+from service.engine.prompt import ForwardFailed, NotReady, QueueFull
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 
 from service.api.deps import State, require_api_key
 from service.api.errors import BadInput
-from service.api.runner import (
+from service.api.prompts import (
     check_ids,
     check_model,
     encode_texts,
@@ -32,7 +32,7 @@ from service.api.schemas import (
     PromptTokensDetails,
 )
 from service.api.state import AppState
-from service.engine.request import PromptResult
+from service.engine.prompt import PromptResult
 from service.engine.sampling import PositionLogprobs, SamplingParams
 
 router = APIRouter(prefix="/v1", tags=["completions"], dependencies=[Depends(require_api_key)])
@@ -74,7 +74,7 @@ def prompt_inputs(state: AppState, prompt: object) -> tuple[list[list[int]], lis
 
 
 def _top(state: AppState, p: PositionLogprobs) -> dict[str, float]:
-    text = state.engine.tokenizer.token_text
+    text = state.tokenizer.token_text
     top = {text(t.id): t.logprob for t in p.top}
     top.setdefault(text(p.token.id), p.token.logprob)  # vLLM: the chosen token is always listed
     return top
@@ -82,7 +82,7 @@ def _top(state: AppState, p: PositionLogprobs) -> dict[str, float]:
 
 def to_choice(state: AppState, i: int, body: CompletionRequest, max_tokens: int, ids: list[int],
               prompt_text: str, res: PromptResult) -> CompletionChoice:
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     gen = res.next.token.id if max_tokens == 1 else None
     is_eos = gen is not None and gen == tok.eos_id
     gen_text = "" if gen is None or is_eos else tok.token_text(gen)
@@ -128,7 +128,7 @@ async def completions(body: CompletionRequest, state: State,
                             seed=body.seed, top_logprobs=body.logprobs or 0,
                             prompt_logprobs=want_lps and body.echo)
     results = await run_prompts(state, request, prompts, params)
-    decode = state.engine.tokenizer.decode
+    decode = state.tokenizer.decode
     choices = [to_choice(state, i, body, max_tokens, ids,
                          text if text is not None else decode(ids), res)
                for i, (ids, text, res) in enumerate(zip(prompts, texts, results))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from service.api.deps import State, require_api_key
-from service.api.runner import require_ready
+from service.api.prompts import require_ready
 from service.api.schemas import ModelCard, ModelList
 
 router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_api_key)])
@@ -13,8 +13,9 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
 
 @router.get("/models", response_model=ModelList)
 async def list_models(state: State) -> ModelList:
-    if state.engine is None:
-        require_ready(state)  # 503 while loading: the model id is not known yet
-    card = ModelCard(id=state.model_name, created=state.created, root=state.engine.model_path,
+    info = state.scheduler.info
+    if info is None:
+        require_ready(state)  # 503 while loading
+    card = ModelCard(id=state.model_name, created=state.created, root=info.model_path,
                      max_model_len=state.max_prompt_tokens)
     return ModelList(data=[card])

@@ -7,7 +7,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from service.api.deps import State, require_api_key
-from service.api.runner import (
+from service.api.prompts import (
     check_ids,
     check_model,
     encode_texts,
@@ -24,7 +24,7 @@ from service.api.schemas import (
     TokenInfo,
 )
 from service.api.state import AppState
-from service.engine.request import PromptResult
+from service.engine.prompt import PromptResult
 from service.engine.sampling import SamplingParams, TokenLogprob
 
 router = APIRouter(prefix="/v1", tags=["prefill"], dependencies=[Depends(require_api_key)])
@@ -43,13 +43,13 @@ def prompt_ids(state: AppState, body: PrefillRequest) -> list[list[int]]:
 
 
 def _tok(state: AppState, t: TokenLogprob) -> TokenInfo:
-    return TokenInfo(id=t.id, text=state.engine.tokenizer.token_text(t.id), logprob=t.logprob)
+    return TokenInfo(id=t.id, text=state.tokenizer.token_text(t.id), logprob=t.logprob)
 
 
 def to_result(state: AppState, i: int, ids: list[int], res: PromptResult) -> PrefillResult:
     plps = None
     if res.prompt_logprobs is not None:
-        text = state.engine.tokenizer.token_text
+        text = state.tokenizer.token_text
         plps = [PromptTokenInfo(id=ids[0], text=text(ids[0]), logprob=None)]
         plps += [PromptTokenInfo(id=p.token.id, text=text(p.token.id), logprob=p.token.logprob,
                                  top_logprobs=[_tok(state, t) for t in p.top] if p.top else None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from service.api.metrics import Metrics
 from service.config import EngineConfig, ServerConfig
-from service.engine.request import NotReady
+from service.engine.prompt import NotReady
 from service.engine.scheduler import Scheduler
 
 
@@ -35,8 +35,8 @@ class AppState:
         return self.scheduler.state == "ready" and not self.draining
 
     @property
-    def engine(self):  # noqa: ANN201 - EngineCore or a test double
-        return self.scheduler.engine
+    def tokenizer(self):  # noqa: ANN201 - the served model's TextTokenizer
+        return self.scheduler.tokenizer
 
     @property
     def model_name(self) -> str:
@@ -47,10 +47,10 @@ class AppState:
         """The longest prompt that can run, and which limit sets it: MAX_PROMPT_TOKENS, the
         model's context length or the KV pool (a longer prompt could never be admitted)."""
         limits = [(self.engine_cfg.max_prompt_tokens, "MAX_PROMPT_TOKENS")]
-        if self.engine is not None:
-            limits += [(self.engine.model_cfg.max_position_embeddings,
-                        "the model's context length"),
-                       (self.engine.pool.capacity_tokens, "the KV pool's capacity")]
+        info = self.scheduler.info
+        if info is not None:
+            limits += [(info.context_length, "the model's context length"),
+                       (info.kv_capacity_tokens, "the KV pool's capacity")]
         return min(limits, key=lambda x: x[0])
 
     @property
@@ -68,20 +68,21 @@ class AppState:
 
     def snapshot(self) -> dict[str, float]:
         """Plain numbers for the scrape-time gauges."""
+        stats = self.scheduler.stats()
         snap: dict[str, float] = {
             "mem_fraction_static": self.engine_cfg.mem_fraction_static,
-            "queue_requests": self.scheduler.queue_depth,
+            "queue_requests": stats.queue_requests,
             "queue_limit_requests": self.engine_cfg.max_queue_requests,
-            "running_requests": self.scheduler.running,
+            "running_requests": stats.running_requests,
             "ready": 1.0 if self.ready else 0.0,
         }
-        eng = self.engine
-        if eng is not None:
-            mem = eng.memory
+        info = self.scheduler.info
+        if info is not None:
+            mem = info.memory
             for k in ("capture_bytes", "capture_seconds", "retained_input_bytes", "kv_bytes",
                       "weights_bytes"):
                 snap[k] = getattr(mem, k)
-            cap, used = eng.pool.capacity_tokens, self.scheduler.kv_used_tokens
+            cap, used = info.kv_capacity_tokens, stats.kv_used_tokens
             snap.update(kv_tokens=cap, kv_used_tokens=used,
                         kv_usage_ratio=used / cap if cap else 0.0,
                         graph_buckets=len(mem.buckets), mem_fraction_static=mem.mem_fraction_static)
@@ -95,7 +96,6 @@ class AppState:
             "model": self.model_name,
             "device": cfg.device,
             "dtype": cfg.dtype,
-            "dp_size": cfg.dp_size,
             "limits": {
                 "max_prefill_tokens": cfg.max_prefill_tokens,
                 "max_prompt_tokens": self.max_prompt_tokens,
@@ -104,15 +104,15 @@ class AppState:
                 "max_body_bytes": self.server_cfg.max_body_bytes,
             },
         }
-        eng = self.engine
-        if eng is None:
+        info = self.scheduler.info
+        if info is None:
             return out
-        mem = eng.memory
+        mem, stats = info.memory, self.scheduler.stats()
         out.update({
-            "model_path": eng.model_path,
+            "model_path": info.model_path,
             "model_preset": cfg.model_preset,
-            "architecture": eng.model_cfg.arch,
-            "vocab_size": eng.model_cfg.vocab_size,
+            "architecture": info.architecture,
+            "vocab_size": info.vocab_size,
             "device_name": _device_name(cfg.device),
             "load_seconds": round(self.scheduler.load_seconds, 3),
             "graph": {"enabled": bool(mem.buckets), "buckets": list(mem.buckets),
@@ -120,11 +120,11 @@ class AppState:
                       "full_buckets": list(mem.full_buckets),
                       "full_max_seqs": cfg.cuda_graph_full_max_seqs},
             "memory": dataclasses.asdict(mem),
-            "kv": {"page_size": eng.pool.page_size, "capacity_tokens": eng.pool.capacity_tokens,
-                   "used_tokens": self.scheduler.kv_used_tokens,
-                   "prefix_cached_tokens": self.scheduler.kv_cached_tokens},
+            "kv": {"page_size": info.page_size, "capacity_tokens": info.kv_capacity_tokens,
+                   "used_tokens": stats.kv_used_tokens,
+                   "prefix_cached_tokens": stats.kv_cached_tokens},
             "prefix_cache": cfg.prefix_cache,
-            "forward_counts": dict(eng.forward_counts),
-            "full_graph_forwards": eng.runner.full_forwards,
+            "forward_counts": stats.forwards,
+            "full_graph_forwards": stats.runner_forwards.get("full", 0),
         })
         return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from service.engine.packing import Packing
 from service.engine.pages import DUMMY_SLOT, flatten_pages, page_table_array, token_slots
 from service.model.meta import ForwardMeta, KVCache
 
@@ -22,9 +23,8 @@ class SeqChunk:
     """One sequence's share of a forward: `token_ids` are new; `prefix_len` tokens are cached.
 
     `ids`, when given, holds the same tokens as an int64 array (a view of the prompt's array,
-    which a Request builds where the prompt arrives, off the engine thread): flattening a batch
-    then copies arrays instead of converting Python ints, which cost the H200's host 0.8-1.1 ms
-    of GPU idle time per 8,192-token batch (bench/results/host-split-brk-s11-*)."""
+    built where the prompt arrives, off the engine thread): flattening a batch then copies
+    arrays instead of converting Python ints on the engine thread."""
 
     token_ids: tuple[int, ...]
     prefix_len: int
@@ -139,62 +139,17 @@ def host_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], page_size: int,
         q_lens=tuple(counts.tolist()), prefix_lens=tuple(prefix.tolist()))
 
 
-def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
-                device: torch.device | str, pad_to: int | None = None,
-                staging: BatchStaging | None = None) -> PrefillBatch:
-    """Flatten chunks onto the device; pad ids/positions/slots to `pad_to`. The batch crosses
-    in ONE copy of int64 words (`_layout`), through `staging`'s reused buffers if given, else
-    through fresh ones (instead of seven small pageable copies: ~10 us of host time apiece on
-    the H200's host, before the first kernel can start)."""
-    h = host_batch(chunks, kv.page_size, pad_to)
-    key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
-    if staging is not None:
-        dev = staging.stage(h, key)
-    else:
-        device = torch.device(device)
-        words = torch.empty(_layout(*key)[-1], dtype=torch.int64,
-                            pin_memory=device.type == "cuda")
-        host = _cut(words.numpy(), key)
-        _fill(h, host)
-        # NOTE: non_blocking from pinned memory is a true async copy; the caching host
-        # allocator keeps `words` from being reused until the copy has finished.
-        dev = _cut(words.to(device, non_blocking=True), key)
-    ids, pos, slots, logits, last, cu, prefix, table = dev
-    meta = ForwardMeta(cu_seqlens_q=cu, prefix_lens=prefix, page_table=table,
-                       slot_mapping=slots, logits_indices=logits, q_lens=h.q_lens,
-                       prefix_lens_host=h.prefix_lens, kv=kv)
-    return PrefillBatch(ids, pos, meta, h.logits_rows, last,
-                        layout=(id(staging), staging.generation, key) if staging else None)
-
-
-_ALIGN64 = 2  # int64 elements: every segment starts 16-byte aligned, as an allocation would
-
-
-def _layout(t: int, n: int, b: int, w: int) -> tuple[int, ...]:
-    """Word offsets of one batch shape (t padded tokens, n logit rows, b sequences, page table
-    width w): int64 ids, positions, slots (t each), logit rows (n), last rows (b); then, from
-    word w32 on, int32 cu_seqlens (b + 1), prefix lengths (b), page table (b * w). Returns
-    (the five int64 starts, w32, the int32 starts of prefix and table, words in all)."""
-    starts, at = [], 0
-    for size in (t, t, t, n, b):
-        starts.append(at)
-        at = -(-(at + size) // _ALIGN64) * _ALIGN64
-    w32 = at
-    prefix32 = -(-(b + 1) // 4) * 4  # int32 elements, 16-byte aligned
-    table32 = prefix32 + -(-b // 4) * 4
-    return (*starts, w32, prefix32, table32, w32 + -(-(table32 + b * w) // 2))
-
-
-def _cut(words, key: tuple[int, int, int, int]) -> tuple:
-    """The eight segments of `_layout(*key)` as views of `words` (a torch tensor or a numpy
-    array of int64 words): ids, positions, slots, logit rows, last rows, cu_seqlens, prefix
-    lengths, page table (b, w)."""
+def packing(key: tuple[int, int, int, int]) -> Packing:
+    """The packed layout of one batch shape (t padded tokens, n logit rows, b sequences, page
+    table width w): int64 ids, positions, slots, logit rows, last rows; int32 cu_seqlens,
+    prefix lengths, page table."""
     t, n, b, w = key
-    ids, pos, slots, logits, last, w32, prefix32, table32, _ = _layout(*key)
-    i32 = words[w32:].view(np.int32 if isinstance(words, np.ndarray) else torch.int32)
-    return (words[ids:ids + t], words[pos:pos + t], words[slots:slots + t],
-            words[logits:logits + n], words[last:last + b], i32[:b + 1],
-            i32[prefix32:prefix32 + b], i32[table32:table32 + b * w].reshape(b, w))
+    return Packing.of((t, t, t, n, b), (b + 1, b, b * w))
+
+
+def _views(p: Packing, words, key: tuple[int, int, int, int]) -> tuple:
+    *parts, table = p.cut(words)
+    return (*parts, table.reshape(key[2], key[3]))
 
 
 def _fill(h: HostBatch, host: tuple) -> None:
@@ -203,12 +158,37 @@ def _fill(h: HostBatch, host: tuple) -> None:
         dst[...] = src
 
 
+def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
+                device: torch.device | str, pad_to: int | None = None,
+                staging: BatchStaging | None = None) -> PrefillBatch:
+    """Flatten chunks onto the device; pad ids/positions/slots to `pad_to`. The batch crosses
+    in ONE copy (`packing`), through `staging`'s reused buffers if given, else fresh ones."""
+    h = host_batch(chunks, kv.page_size, pad_to)
+    key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
+    if staging is not None:
+        dev = staging.stage(h, key)
+    else:
+        device = torch.device(device)
+        p = packing(key)
+        words = torch.empty(p.words, dtype=torch.int64, pin_memory=device.type == "cuda")
+        _fill(h, _views(p, words.numpy(), key))
+        # NOTE: non_blocking from pinned memory is a true async copy; the caching host
+        # allocator keeps `words` from being reused until the copy has finished.
+        dev = _views(p, words.to(device, non_blocking=True), key)
+    ids, pos, slots, logits, last, cu, prefix, table = dev
+    meta = ForwardMeta(cu_seqlens_q=cu, prefix_lens=prefix, page_table=table,
+                       slot_mapping=slots, logits_indices=logits, q_lens=h.q_lens,
+                       prefix_lens_host=h.prefix_lens, kv=kv)
+    return PrefillBatch(ids, pos, meta, h.logits_rows, last,
+                        layout=(id(staging), staging.generation, key) if staging else None)
+
+
 class BatchStaging:
     """Reused buffers for a CUDA runner's batches: one pinned host and one device buffer of
-    int64 words (grown when a batch needs more), with each batch shape's segment views cut
-    once. A batch then costs no pinned or device allocation and no view slicing, and its
-    tensors sit at addresses fixed by its shape (`PrefillBatch.layout`), so the runner can
-    reuse the attention launch it bound for an earlier batch of the same shape.
+    int64 words (grown when a batch needs more), each batch shape's views cut once. A batch
+    then costs no allocation, and its tensors sit at addresses fixed by its shape
+    (`PrefillBatch.layout`), so a runner can reuse the attention launch it bound for an earlier
+    batch of that shape.
 
     NOTE: a batch's device tensors are valid until the next batch is staged: its kernels are
     queued before that batch's copy (one stream), and the host waits for the previous copy
@@ -240,9 +220,9 @@ class BatchStaging:
     def _cut(self, key: tuple[int, int, int, int]) -> tuple:
         """(host views, device views, copy destination, copy source) of one batch shape,
         growing the buffers first if it needs more words."""
-        words = _layout(*key)[-1]
-        if words > self._dev.numel():  # grow (the old buffers live on in earlier batches)
-            size = max(words, 2 * self._dev.numel(), 1 << 14)
+        p = packing(key)
+        if p.words > self._dev.numel():  # grow (the old buffers live on in earlier batches)
+            size = max(p.words, 2 * self._dev.numel(), 1 << 14)
             if self._copied is not None:
                 self._copied.synchronize()
             self._host = torch.empty(size, dtype=torch.int64, pin_memory=self._cuda)
@@ -251,7 +231,7 @@ class BatchStaging:
             self.generation += 1
         if len(self._views) >= self.MAX_SHAPES:
             self._views.clear()
-        cut = (_cut(self._host.numpy(), key), _cut(self._dev, key), self._dev[:words],
-               self._host[:words])
+        cut = (_views(p, self._host.numpy(), key), _views(p, self._dev, key),
+               self._dev[:p.words], self._host[:p.words])
         self._views[key] = cut
         return cut

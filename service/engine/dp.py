@@ -12,8 +12,11 @@ The per-rank token counts and the gather length are the *capture-only* tensors o
 their addresses (it zeroes the padding rows with them), so the graph backend keeps exactly
 these small tensors per bucket — nothing else of the capture batch.
 
-World size 1 needs no process group (collectives are identities; graphs and capture-only
-tensors are real). NCCL on GPUs; gloo on CPU (which has no reduce-scatter: all-reduce + slice).
+`DPRunner` is this path's runner: every rank calls it in lockstep (an empty batch is fine); it
+runs breakable graphs when every rank's batch fits a bucket, else an eager forward. No folded
+norms and no full graphs here. World size 1 needs no process group (collectives are identities;
+graphs and capture-only tensors are real). NCCL on GPUs; gloo on CPU (which has no
+reduce-scatter: all-reduce + slice).
 """
 
 from __future__ import annotations
@@ -24,8 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service.engine.graph import tensor_bytes
-from service.model.llama import MLP, LlamaModel, swiglu
+from service.engine.batch import PrefillBatch, build_batch
+from service.engine.buckets import Buckets
+from service.engine.buffers import StaticBuffers
+from service.engine.graph import SegmentBackend, tensor_bytes
+from service.engine.runners import Chunks, on_stream
+from service.engine.runners.breakable import BreakableRunner
+from service.model.layers import MLP, swiglu
+from service.model.llama import Activations, LlamaModel
+from service.model.meta import KVCache
 
 
 class DPGroup:
@@ -129,10 +139,17 @@ def mask_padding(rows: torch.Tensor, dp: DPTokens) -> None:
     rows.view(w, n, -1).masked_fill_(~valid[:, :, None], 0)
 
 
+class DPStep:
+    """The data-parallel step the sharded MLPs serve: set by DPRunner before each forward and
+    capture, read by every layer's DPMLP."""
+
+    tokens: DPTokens | None = None
+
+
 class DPMLP(nn.Module):
     """This rank's MLP shard; forward gathers all ranks' rows and scatters the sum back."""
 
-    def __init__(self, mlp: MLP, group: DPGroup):
+    def __init__(self, mlp: MLP, group: DPGroup, step: DPStep):
         super().__init__()
         inter = mlp.down_proj.in_features
         w, r = group.world, group.rank
@@ -147,12 +164,13 @@ class DPMLP(nn.Module):
             shard_down = down if w == 1 else down[:, lo : lo + f].contiguous()
         self.gate_up_proj.weight = nn.Parameter(shard_gu, requires_grad=False)
         self.down_proj.weight = nn.Parameter(shard_down, requires_grad=False)
-        self.group = group
+        self.group, self.step = group, step
         self.use_triton = mlp.use_triton
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                scratch: torch.Tensor | None = None, dp: DPTokens | None = None) -> torch.Tensor:
-        assert dp is not None, "a sharded (DP) MLP needs this step's DPTokens"
+                scratch: torch.Tensor | None = None) -> torch.Tensor:
+        dp = self.step.tokens
+        assert dp is not None, "a sharded (DP) MLP runs inside a DPRunner step"
         n, w = x.shape[0], self.group.world
         assert n == dp.rows, f"{n} rows, DP step has {dp.rows} per rank"
         gathered = x
@@ -169,13 +187,74 @@ class DPMLP(nn.Module):
         return res
 
 
-def shard_mlp(model: LlamaModel, group: DPGroup) -> None:
+def shard_mlp(model: LlamaModel, group: DPGroup, step: DPStep) -> None:
     """Replace every layer's MLP by this rank's shard (frees the other ranks' weight rows)."""
     for layer in model.layers:
         if not isinstance(layer.mlp, DPMLP):
-            layer.mlp = DPMLP(layer.mlp, group)
+            layer.mlp = DPMLP(layer.mlp, group, step)
 
 
-def mlp_width(model: LlamaModel) -> int:
-    """Output features of one layer's gate|up projection (2F, or 2F / world when sharded)."""
-    return model.layers[0].mlp.gate_up_proj.weight.shape[0]
+class DPRunner(BreakableRunner):
+    """One rank of a data-parallel forward: breakable graphs when the largest rank's batch fits
+    a bucket (every rank replays that bucket, padded), else eager; `backend` None: eager only."""
+
+    name = "dp"
+
+    def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend | None,
+                 group: DPGroup, stream: torch.cuda.Stream | None = None):
+        super().__init__(model, buckets if backend is not None else Buckets(()),
+                         backend or SegmentBackend(), stream)
+        self.group, self.step = group, DPStep()
+        shard_mlp(model, group, self.step)
+        self.gathered = self.partial = None
+
+    def allocate(self) -> StaticBuffers:
+        w, m = self.group.world, self.buckets.largest
+        width = self.model.layers[0].mlp.gate_up_proj.weight.shape[0]
+        if w > 1:  # the collectives' static ends
+            self.gathered = torch.zeros(w * m, self.cfg.hidden_size, dtype=self.dtype,
+                                        device=self.device)
+            self.partial = torch.zeros_like(self.gathered)
+        return StaticBuffers.allocate(self.cfg, m, self.dtype, self.device, width, row_factor=w)
+
+    def _tokens(self, n: int, inputs: DPCaptureInputs) -> DPTokens:
+        w = self.group.world
+        static = self.gathered is not None and n <= self.buckets.largest
+        return DPTokens(self.group, n, inputs, self.gathered[: w * n] if static else None,
+                        self.partial[: w * n] if static else None)
+
+    def capture_inputs(self, n: int, v: Activations) -> DPCaptureInputs:
+        inputs = DPCaptureInputs.new([n] * self.group.world, n, self.device)
+        self.step.tokens = self._tokens(n, inputs)
+        return inputs  # the retention gate: kept with the graphs, and nothing else
+
+    def can_run(self, chunks: Chunks, tokens: int) -> bool:
+        return True  # every rank must take the same path: `run` decides after the counts
+
+    @torch.inference_mode()
+    def run(self, chunks: Chunks, kv: KVCache) -> tuple[torch.Tensor, PrefillBatch, str]:
+        counts = self.group.all_gather_counts(sum(c.num_tokens for c in chunks))
+        n = max(counts)
+        graph = self.buckets.use_graph(n) and self.backend.has(self.buckets.pad_to_bucket(n))
+        rows = self.buckets.pad_to_bucket(n) if graph else n
+        with on_stream(self.stream):
+            batch = build_batch(chunks, kv, self.device, pad_to=rows)
+            if graph:
+                inputs = self.backend.retained(rows)
+                inputs.fill(counts, rows)
+                self.step.tokens = self._tokens(rows, inputs)
+                return self.forward(batch), batch, "graph"
+            self.step.tokens = self._tokens(rows, DPCaptureInputs.new(counts, rows, self.device))
+            if n == 0:
+                return (torch.empty(0, self.cfg.vocab_size, device=self.device), batch,
+                        "eager")
+            return self.model(batch.input_ids, batch.positions, batch.meta), batch, "eager"
+
+    def _attend(self, batch: PrefillBatch, v: Activations):  # noqa: ANN202
+        if batch.num_tokens == 0:  # a rank with no requests: padding rows only, no attention
+            return lambda layer: None
+        return super()._attend(batch, v)
+
+    @property
+    def retained_input_bytes(self) -> int:
+        return self.backend.retained_bytes()

@@ -6,26 +6,19 @@
     kv_tokens  = kv_bytes // bytes_per_token, in whole pages
 
 So weights + graphs + KV = MEM_FRACTION_STATIC × free_before, and every byte the capture saves
-goes to the KV pool. The pool is allocated after capture (captured segments never touch it); a
-two-page scratch pool serves the breaks during warm-up and capture and is freed before sizing.
-Device memory is read through an injectable `MemoryReader`, so CPU tests can script it.
+goes to the KV pool. The pool is allocated after capture (service.engine.capture); device memory
+is read through an injectable `MemoryReader`, so CPU tests can script it.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from service.engine.kv_pool import KVPool
-from service.engine.runner import PrefillRunner
 from service.model.config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 MemoryReader = Callable[[], int]
 ALLOC_GRANULE = 2 << 20  # the CUDA caching allocator rounds large blocks up to 2 MiB
@@ -108,69 +101,3 @@ def refuse_message(plan: KVPlan, fraction: float, free_before: int, free_now: in
             f"{gib(capture)}, other start-up use {gib(other)}, free after capture "
             f"{gib(free_now)}, reserve (1 − {fraction}) × {gib(free_before)} = "
             f"{gib(plan.reserve_bytes)}, so KV bytes = {gib(plan.kv_bytes)}; {advice}")
-
-
-def _settle(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def size_after_capture(runner: PrefillRunner, reader: MemoryReader, free_before: int,
-                       weights_bytes: int, fraction: float, page_size: int,
-                       max_prefill_tokens: int) -> tuple[MemoryReport, KVPlan]:
-    """Warm up eagerly (activation peak), capture every bucket, then size the KV pool.
-
-    Raises InsufficientMemory when the pool would get nothing. The caller allocates the pool.
-    """
-    cfg, device = runner.cfg, runner.device
-    dtype_bytes = runner.dtype.itemsize
-    with runner.on_stream():  # dummy page + one, on the stream that uses it
-        scratch = KVPool(cfg, page_size, page_size, runner.dtype, device)
-    eager_peak = runner.measure_eager_peak(max_prefill_tokens, scratch.cache)
-    _settle(device)
-    free_pre = reader()
-    total = len(runner.buckets)
-    t0 = time.perf_counter()
-
-    def progress(k: int, n: int) -> None:
-        log.info("captured bucket %d tokens (%d/%d), %s free", n, k + 1, total, gib(reader()))
-
-    runner.capture(scratch.cache, on_bucket=progress)
-    capture_s = time.perf_counter() - t0
-    del scratch
-    _settle(device)
-    free_now = reader()
-    capture = free_pre - free_now
-    granule = ALLOC_GRANULE if device.type == "cuda" else 1
-    plan = plan_kv(free_before, free_now, fraction, cfg, dtype_bytes, page_size, granule)
-    if runner.captured:
-        log.info("captured %d buckets (%d graphs) in %.2fs: capture memory %s (static buffers "
-                 "%s), retained capture inputs %d B, eager activation peak %s", total,
-                 runner.backend.num_graphs, capture_s, gib(capture), gib(runner.static_bytes),
-                 runner.retained_input_bytes, gib(eager_peak))
-    if plan.tokens < page_size:
-        need_tokens = max_prefill_tokens + page_size
-        need = need_tokens * cfg.kv_bytes_per_token(dtype_bytes) + 2 * cfg.num_layers * (
-            ALLOC_GRANULE + page_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
-        raise InsufficientMemory(refuse_message(plan, fraction, free_before, free_now,
-                                                weights_bytes, capture, need, max_prefill_tokens))
-    if eager_peak > plan.reserve_bytes:
-        log.warning("the eager activation peak %s (one %d-token batch) exceeds the reserve %s = "
-                    "(1 − MEM_FRACTION_STATIC) × free memory: a batch that size can run out of "
-                    "memory; use MEM_FRACTION_STATIC ≤ %.2f or a smaller MAX_PREFILL_TOKENS",
-                    gib(eager_peak), max_prefill_tokens, gib(plan.reserve_bytes),
-                    1.0 - eager_peak / max(free_before, 1))
-    if plan.tokens < max_prefill_tokens:
-        log.warning("the KV pool holds %d tokens, less than one %d-token batch",
-                    plan.tokens, max_prefill_tokens)
-    report = MemoryReport(
-        free_before_bytes=free_before, weights_bytes=weights_bytes, capture_bytes=capture,
-        retained_input_bytes=runner.retained_input_bytes, kv_bytes=0, kv_tokens=plan.tokens,
-        reserve_bytes=plan.reserve_bytes, eager_peak_bytes=eager_peak,
-        mem_fraction_static=fraction, capture_seconds=capture_s, buckets=runner.captured,
-        free_after_capture_bytes=free_now, static_buffer_bytes=runner.static_bytes,
-        graphs=runner.backend.num_graphs if runner.backend is not None else 0,
-        path="cuda-graphs" if runner.captured else f"{device.type}-eager",
-        full_buckets=runner.full_captured)
-    return report, plan

@@ -21,7 +21,7 @@ from service.engine.kv_pool import KVPoolExhausted, PageAllocator
 def page_keys(token_ids, page_size: int) -> list[bytes]:
     """Chain keys of every full page of `token_ids` (a sequence of ints or an int64 array: the
     same keys; each page hashes its ids as native int64 bytes)."""
-    ids = np.asarray(token_ids, dtype=np.int64)  # no copy for a Request's array
+    ids = np.asarray(token_ids, dtype=np.int64)  # no copy for a Prompt's array
     data = memoryview(ids).cast("B")
     step = page_size * ids.itemsize
     keys, parent = [], b""

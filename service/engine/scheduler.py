@@ -24,20 +24,21 @@ from collections.abc import Callable
 from typing import Any
 
 from service.engine.batch import SeqChunk
+from service.engine.interface import EngineInfo, EngineStats
 from service.engine.kv_pool import KVPoolExhausted
 from service.engine.pages import pages_for
 from service.engine.prefix_cache import PrefixCache, page_keys
-from service.engine.request import (
+from service.engine.prompt import (
     ForwardFailed,
     NotReady,
     NullObserver,
     Observer,
+    Prompt,
     PromptResult,
     QueueFull,
-    Request,
 )
 
-__all__ = ["ForwardFailed", "NotReady", "PromptResult", "QueueFull", "Request", "Scheduler"]
+__all__ = ["ForwardFailed", "NotReady", "PromptResult", "QueueFull", "Prompt", "Scheduler"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class Scheduler:
         self.prefix_cache_enabled = prefix_cache
         self.cache: PrefixCache | None = None  # built with the engine (it needs the allocator)
         self._cv = threading.Condition()
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
+        self._waiting: deque[Prompt] = deque()
+        self._running: list[Prompt] = []
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.engine: Any = None
@@ -75,6 +76,7 @@ class Scheduler:
         self.error: str | None = None
         self.load_seconds = 0.0
         self.loaded: asyncio.Future[None] | None = None
+        self.info: EngineInfo | None = None  # set once the engine has loaded
         self._finished: deque[float] = deque(maxlen=256)  # finish times of the latest prompts
         self._rate = 0.0  # prompts finished per second, recently (Retry-After)
 
@@ -92,6 +94,18 @@ class Scheduler:
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the engine's TextTokenizer
+        return self.engine.tokenizer if self.engine is not None else None
+
+    def stats(self) -> EngineStats:
+        """Live numbers, read from any thread (a snapshot a forward may be updating)."""
+        eng = self.engine
+        return EngineStats(len(self._waiting), len(self._running), self.kv_used_tokens,
+                           self.kv_cached_tokens,
+                           dict(eng.forward_counts) if eng is not None else {},
+                           dict(eng.runs) if eng is not None else {})
 
     @property
     def kv_used_tokens(self) -> int:
@@ -140,7 +154,7 @@ class Scheduler:
                              self.retry_after_s())
         return None
 
-    def submit(self, reqs: list[Request]) -> None:
+    def submit(self, reqs: list[Prompt]) -> None:
         """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
         with self._cv:
             if (err := self.admission_error(len(reqs))) is not None:
@@ -154,7 +168,7 @@ class Scheduler:
             self._waiting.extend(reqs)
             self._cv.notify()
 
-    def cancel(self, req: Request) -> None:
+    def cancel(self, req: Prompt) -> None:
         """Client gone: a queued request never runs; a running one frees its pages after its
         current forward."""
         with self._cv:
@@ -190,7 +204,7 @@ class Scheduler:
                 self.state = "stopped"
 
     # ---- engine-thread side -----------------------------------------------------------------
-    def _post(self, r: Request, result: Any, exc: BaseException | None) -> None:
+    def _post(self, r: Prompt, result: Any, exc: BaseException | None) -> None:
         try:
             r.loop.call_soon_threadsafe(_resolve, r.future, result, exc)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
@@ -207,6 +221,7 @@ class Scheduler:
             return
         with self._cv:
             self.engine = engine
+            self.info = engine.info()
             self.cache = PrefixCache(engine.pool.allocator, engine.pool.page_size,
                                      self.prefix_cache_enabled)
             self.load_seconds = time.perf_counter() - t0
@@ -246,7 +261,7 @@ class Scheduler:
             self._post(r, None, NotReady(msg))
         self._post_loaded(RuntimeError(msg))
 
-    def _release(self, r: Request) -> None:
+    def _release(self, r: Prompt) -> None:
         """Free a request's pages and drop it from the running set (engine thread, lock held)."""
         if r.pages:
             self.cache.release(r.pages)
@@ -254,7 +269,7 @@ class Scheduler:
         if r in self._running:
             self._running.remove(r)
 
-    def _next_batch(self) -> list[tuple[Request, SeqChunk]] | None:
+    def _next_batch(self) -> list[tuple[Prompt, SeqChunk]] | None:
         with self._cv:
             while True:
                 if self._stop:
@@ -266,12 +281,12 @@ class Scheduler:
                     return batch
                 self._cv.wait()
 
-    def _form_batch(self) -> list[tuple[Request, SeqChunk]]:
+    def _form_batch(self) -> list[tuple[Prompt, SeqChunk]]:
         pool = self.engine.pool
         budget, rows = self.engine.max_batch_tokens, self.max_logit_rows
-        out: list[tuple[Request, SeqChunk]] = []
+        out: list[tuple[Prompt, SeqChunk]] = []
 
-        def take(r: Request) -> None:
+        def take(r: Prompt) -> None:
             nonlocal budget, rows
             n = min(r.num_tokens - r.done, budget)
             if r.params.prompt_logprobs:  # the first such chunk always gets rows >= 1
@@ -309,7 +324,7 @@ class Scheduler:
             take(r)
         return out
 
-    def _run(self, batch: list[tuple[Request, SeqChunk]]) -> None:
+    def _run(self, batch: list[tuple[Prompt, SeqChunk]]) -> None:
         chunks = [c for _, c in batch]
         try:
             out = self.engine.forward(chunks)
@@ -323,7 +338,7 @@ class Scheduler:
             return
         self.observer.on_forward(out.mode, out.seconds, sum(c.num_tokens for c in chunks),
                                  len(chunks))
-        finished: list[tuple[Request, PromptResult | None, BaseException | None]] = []
+        finished: list[tuple[Prompt, PromptResult | None, BaseException | None]] = []
         for (r, c), logits, summary in zip(batch, out.logits, out.last):
             if r.cancelled:
                 finished.append((r, None, None))

@@ -1,24 +1,20 @@
 """The attention seam: KV store + extend attention over the paged prefix, one call per layer.
 
-This is the model's *break*: its work depends on per-sequence lengths, so the graph runner runs
-it eagerly between captured dense segments. `triton` uses the kernels (CUDA); `torch` uses the
-PyTorch references (CPU, and the accuracy baseline on GPU).
-
-`plan(qkv, meta, out)` prepares one batch's break once (views, metadata, max_q_len) for the
-graph runner, whose qkv/attention buffers are the same for every layer; calling the plan with a
-layer index is then exactly one launch: attention with the KV store fused in, relaunched
-through the compiled kernel (kernels/launch.py; the eager break needs no torch.ops dispatch:
-it is never traced).
+The model's break: its work depends on per-sequence lengths, so the graph runner runs it eagerly
+between captured dense segments. `triton`: the kernels; `torch`: the PyTorch references. A plan
+binds one batch's break once; a layer is then one launch (attention with the KV store fused).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from kernels import extend_attention as attn_kernel
 from kernels import ops
+from kernels.varlen import VarlenBatch
 from service.model.meta import ForwardMeta, KVAddresses
 
 BACKENDS = ("triton", "torch")
@@ -30,9 +26,7 @@ class AttentionBackend:
         self.use_triton = kind == "triton"
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        # The kernels may pick the Hopper kernel only when told the batch's live row count;
-        # withholding it keeps the plain kernel (ATTENTION_HOPPER_KERNEL=false).
-        self.hopper = True
+        self.hopper = True  # False withholds the row count: never the Hopper kernel
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of the fused projection: q (T, H, D), k and v (T, KVH, D)."""
@@ -40,6 +34,9 @@ class AttentionBackend:
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         return (qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + kvh) * d].view(t, kvh, d),
                 qkv[:, (h + kvh) * d :].view(t, kvh, d))
+
+    def _varlen(self, meta: ForwardMeta) -> VarlenBatch:
+        return meta.varlen if self.hopper else replace(meta.varlen, num_tokens=None)
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: ForwardMeta,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,18 +53,13 @@ class AttentionBackend:
             out = torch.empty(t, h, d, dtype=qkv.dtype, device=qkv.device)
         else:
             out = out.view(t, h, d)
-        ops.extend_attention(q, k, v, kv.k[layer], kv.v[layer], meta.cu_seqlens_q,
-                             meta.prefix_lens, meta.page_table, kv.page_size, meta.max_q_len,
-                             sm_scale=self.scale, out=out, use_triton=self.use_triton,
-                             max_prefix_len=meta.max_prefix_len,
-                             num_tokens=meta.num_tokens if self.hopper else None)
+        ops.extend_attention(q, k, v, kv.k[layer], kv.v[layer], self._varlen(meta),
+                             sm_scale=self.scale, out=out, use_triton=self.use_triton)
         return out.view(t, h * d)
 
     def plan(self, qkv: torch.Tensor, meta: ForwardMeta, out: torch.Tensor) -> BreakPlan:
         """One batch's break for every layer, as `plan(layer)`: qkv (T, (H+2KVH)*D) and out
-        (T, H*D) are fixed buffers; T must be the live token count (padding rows are neither
-        stored nor read). On the Triton path the launch is checked and bound here, once per
-        batch; a layer then only swaps in its cache pointers."""
+        (T, H*D) hold the batch's T live rows; a layer only swaps in its cache pointers."""
         t = qkv.shape[0]
         assert meta.batch_size > 0 and t == meta.num_tokens, "plan the live rows of a batch"
         q, k, v = self.split(qkv)
@@ -77,31 +69,25 @@ class AttentionBackend:
             def reference(layer: int) -> None:
                 kc, vc = kv.k[layer], kv.v[layer]
                 ops.store_kv(k, v, kc, vc, slots, use_triton=False)
-                ops.extend_attention(q, k, v, kc, vc, meta.cu_seqlens_q, meta.prefix_lens,
-                                     meta.page_table, kv.page_size, meta.max_q_len,
-                                     sm_scale=self.scale, out=out, use_triton=False)
+                ops.extend_attention(q, k, v, kc, vc, meta.varlen, sm_scale=self.scale, out=out,
+                                     use_triton=False)
             return reference
 
-        attend, _, _ = attn_kernel.prepare_extend_attention(
-            q, k, v, kv.k[0], kv.v[0], meta.cu_seqlens_q, meta.prefix_lens, meta.page_table,
-            kv.page_size, meta.max_q_len, self.scale, out, store_slots=slots,
-            max_prefix_len=meta.max_prefix_len, num_tokens=t if self.hopper else None)
+        attend, _ = attn_kernel.prepare_extend_attention(
+            q, k, v, kv.k[0], kv.v[0], self._varlen(meta), self.scale, out, store_slots=slots)
         caches = list(zip(kv.k, kv.v))
 
         def triton(layer: int) -> None:
             attend(*caches[layer])  # t > 0, so the launch is not None
         return triton
 
-
     def plan_static(self, qkv: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     prefix_lens: torch.Tensor, page_table: torch.Tensor,
                     slot_mapping: torch.Tensor, addrs: KVAddresses) -> BreakPlan:
-        """The break of a full CUDA graph, captured with the dense layers: every argument is a
-        fixed buffer the runner refills before each replay. qkv (n, (H+2KVH)*D) and out (n, H*D)
-        hold all n bucket rows; cu_seqlens_q (S+1,) may end in empty sequences; page_table
-        (S, W) rows may be wider than a batch needs; slot_mapping (n,) sends padding rows to
-        the dummy slot. The pool is the one `addrs` names when the plan runs (bound at capture
-        for shapes and strides). Rows past cu_seqlens_q[-1] are neither attended nor written."""
+        """The break of a full CUDA graph: every argument is a fixed buffer the runner refills
+        before each replay. qkv and out hold all n bucket rows; cu_seqlens_q (S+1,) may end in
+        empty sequences, page_table rows may be wider than needed, padding rows' slots are the
+        dummy slot. The pool is the one `addrs` names when the plan runs."""
         n = qkv.shape[0]
         q, k, v = self.split(qkv)
         out = out.view(n, self.num_heads, self.head_dim)
@@ -112,14 +98,15 @@ class AttentionBackend:
                 live = addrs.kv  # read at every run, as the kernel reads the table
                 kc, vc = live.k[layer], live.v[layer]
                 ops.store_kv(k, v, kc, vc, slot_mapping, use_triton=False)
-                ops.extend_attention(q, k, v, kc, vc, cu_seqlens_q, prefix_lens, page_table,
-                                     live.page_size, n, sm_scale=self.scale, out=out,
+                batch = VarlenBatch(cu_seqlens_q, prefix_lens, page_table, live.page_size, n)
+                ops.extend_attention(q, k, v, kc, vc, batch, sm_scale=self.scale, out=out,
                                      use_triton=False)
             return reference
 
-        attend, _, _ = attn_kernel.prepare_extend_attention(
-            q, k, v, kv.k[0], kv.v[0], cu_seqlens_q, prefix_lens, page_table, kv.page_size, n,
-            self.scale, out, store_slots=slot_mapping, cache_table=addrs.rows[0])
+        batch = VarlenBatch(cu_seqlens_q, prefix_lens, page_table, kv.page_size, n)
+        attend, _ = attn_kernel.prepare_extend_attention(
+            q, k, v, kv.k[0], kv.v[0], batch, self.scale, out, store_slots=slot_mapping,
+            cache_table=addrs.rows[0])
         rows = addrs.rows
 
         def triton(layer: int) -> None:

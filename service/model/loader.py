@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from service.model.config import DEFAULT_GGUF, ModelConfig, model_name
+from service.model.config import DEFAULT_GGUF, ModelConfig, model_name, preset
 from service.model.errors import ModelLoadError
 from service.model.llama import LlamaModel
 from service.model.loader_gguf import config_from_gguf, gguf_metadata, gguf_tensors, read_gguf
@@ -139,3 +139,25 @@ def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
     model.cos_sin = LlamaModel.rope_table(cfg, model.max_positions).to(device)
     model.set_kernels(device.type == "cuda")
     return model
+
+
+def tokenizer_of(path: Path) -> TextTokenizer:
+    """Only the tokenizer of a checkpoint (random-weight presets keep the real vocabulary)."""
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_tokenizer(path, read_hf_config(path)[1])
+    if path.is_dir():
+        path = next(iter(sorted(path.glob("*.gguf"))), path)
+    return tokenizer_from_gguf(gguf_metadata(read_gguf(path)), str(path))
+
+
+def load(path: str | None, preset_name: str | None, device: torch.device,
+         dtype: torch.dtype) -> LoadedModel:
+    """The checkpoint at `path` (default: the embedded model), or with `preset_name` random
+    weights of that preset's shape and the checkpoint's tokenizer."""
+    if preset_name is None:
+        return load_model(path, device, dtype)
+    t0 = time.perf_counter()
+    where = Path(path) if path else default_model_path()
+    cfg = preset(preset_name)
+    model = random_model(cfg, device, dtype)
+    return LoadedModel(model, tokenizer_of(where), cfg, where, time.perf_counter() - t0)

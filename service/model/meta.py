@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from kernels.varlen import VarlenBatch
 
 
 @dataclass
@@ -93,3 +96,9 @@ class ForwardMeta:
     @property
     def page_size(self) -> int:
         return self.kv.page_size
+
+    @cached_property
+    def varlen(self) -> VarlenBatch:
+        """The attention kernels' metadata for this batch, host-side facts included."""
+        return VarlenBatch(self.cu_seqlens_q, self.prefix_lens, self.page_table, self.page_size,
+                           self.max_q_len, self.max_prefix_len, self.num_tokens)

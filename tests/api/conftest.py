@@ -86,7 +86,7 @@ class LiveApp:
 
     @property
     def engine(self) -> TestEngine:
-        return self.state.engine
+        return self.state.scheduler.engine
 
     def run(self, coro: Any, timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

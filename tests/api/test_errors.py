@@ -288,7 +288,7 @@ def test_an_over_long_text_is_refused_without_tokenizing_all_of_it(api, monkeypa
 def test_requests_failed_at_shutdown_get_a_503_counted_as_rejected(api) -> None:
     """At the drain's end the scheduler fails what is in flight: clients get a retryable JSON
     503, and the metrics count what they saw (rejected), not a cancellation."""
-    from service.engine.request import NotReady
+    from service.engine.prompt import NotReady
 
     api.engine.delay_s = 1.0
 

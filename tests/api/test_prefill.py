@@ -145,7 +145,7 @@ def test_prefix_cache_reuse_matches_recompute(make_app) -> None:
 def test_small_bodies_are_tokenized_on_the_loop_large_ones_in_a_thread(api, monkeypatch) -> None:
     """Bodies up to INLINE_BODY_BYTES skip the worker-thread hop; larger ones (a long prompt's
     tokenizing can take seconds) still leave the event loop. Both answer alike."""
-    from service.api import runner
+    from service.api import prompts as runner
 
     hops = []
     real = runner.asyncio.to_thread

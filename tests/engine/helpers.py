@@ -36,7 +36,7 @@ def engine_cfg(**kw) -> EngineConfig:
     base = dict(model_path=None, device="cpu", dtype="float32", mem_fraction_static=0.85,
                 max_prefill_tokens=64, cuda_graph_max_tokens=0, cuda_graph_buckets=None,
                 page_size=PAGE, max_prompt_tokens=4096, max_queue_requests=16,
-                max_batch_prompts=16, kv_cache_bytes=1 << 20, dp_size=1)
+                max_batch_prompts=16, kv_cache_bytes=1 << 20)
     return EngineConfig(**{**base, **kw})
 
 
@@ -59,3 +59,64 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Runners:
+    """A model's runners as the engine orders them (full graph, breakable graphs, eager), the
+    graphs captured: EngineCore's routing without its sizing. On CUDA (the model's device) the
+    graphs are real, on one stream; on the CPU the backend is device-free."""
+
+    def __init__(self, model, buckets, full_max: int = 0, seqs: int = 3, pages: int = 40,
+                 staging: bool = False, page: int = PAGE):
+        from service.engine.batch import BatchStaging
+        from service.engine.buckets import Buckets
+        from service.engine.graph import CudaGraphBackend, SegmentBackend
+        from service.engine.runners.breakable import BreakableRunner
+        from service.engine.runners.eager import EagerRunner
+        from service.engine.runners.full import FullGraphRunner
+
+        self.model, self.cfg = model, model.cfg
+        device = model.embed_tokens.weight.device
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        backend = CudaGraphBackend(self.stream) if cuda else SegmentBackend()
+        stage = BatchStaging(device) if staging or cuda else None
+        self.eager = EagerRunner(model, self.stream, stage)
+        self.breakable = BreakableRunner(model, Buckets(tuple(buckets)), backend, self.stream,
+                                         stage)
+        self.full = (FullGraphRunner(self.breakable, full_max, seqs, pages) if full_max
+                     else None)
+        self.counts = {"graph": 0, "eager": 0}
+        self.runs = {"full": 0, "breakable": 0, "eager": 0}
+        with torch.inference_mode():
+            scratch = KVPool(model.cfg, page, page, model.dtype, device).cache
+            self.breakable.capture(scratch)
+            if self.full is not None:
+                self.full.capture(scratch)
+
+    def close(self) -> None:
+        if self.full is not None:
+            self.full.close()
+        self.breakable.close()
+        self.backend.close()
+
+    @property
+    def backend(self):
+        return self.breakable.backend
+
+    def pad_to_bucket(self, n: int) -> int | None:
+        return self.breakable.buckets.pad_to_bucket(n)
+
+    def prefill(self, chunks, kv):
+        """(logits, batch, mode) from the first runner that takes the batch."""
+        tokens = sum(c.num_tokens for c in chunks)
+        runner = next(r for r in (self.full, self.breakable, self.eager)
+                      if r is not None and r.can_run(chunks, tokens))
+        logits, batch, mode = runner.run(chunks, kv)
+        self.counts[mode] += 1
+        self.runs[runner.name] += 1
+        return logits, batch, mode
+
+    @property
+    def full_forwards(self) -> int:
+        return self.runs["full"]

@@ -1,5 +1,5 @@
-"""Static buffers: the arena is sized for the attention break and the MLP scratch is cut to
-the rows that fit in it (DP with world > 1 keeps the full gathered scratch)."""
+"""Static buffers: the arena is sized for attention and the MLP scratch is cut to the rows that
+fit in it (several MLP rows per token, a gather, keep the whole scratch)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_views_cut_the_mlp_scratch_to_the_chunk_rows(n):
     v = bufs.views(n)
     assert v.mlp_scratch.shape == (min(n, bufs.mlp_rows), 2 * cfg.intermediate_size)
     assert v.qkv.shape == (n, cfg.q_size + 2 * cfg.kv_size) and v.attn.shape == (n, cfg.q_size)
-    assert v.hidden.shape == (n, cfg.hidden_size) and v.gathered is None and v.partial is None
+    assert v.hidden.shape == (n, cfg.hidden_size)
 
 
 def test_views_share_the_arena_start_and_stay_inside_it(monkeypatch):
@@ -78,7 +78,7 @@ def test_chunk_rows_fit_round_down_and_never_exceed_the_old_arena(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "llama-3.2-1b"])
-def test_dp_world_two_keeps_the_full_gathered_scratch(name):
+def test_two_rows_per_token_keep_the_full_gathered_scratch(name):
     cfg = preset(name)
     world, width = 2, cfg.intermediate_size  # this rank's gate|up: 2F / 2
     bufs = _allocate(cfg, ROWS, world)
@@ -87,4 +87,3 @@ def test_dp_world_two_keeps_the_full_gathered_scratch(name):
     for n in (1, 1712, ROWS):
         v = bufs.views(n)
         assert v.mlp_scratch.shape == (world * n, width)
-        assert v.gathered.shape == v.partial.shape == (world * n, cfg.hidden_size)

@@ -10,10 +10,10 @@ import torch
 import torch.multiprocessing as mp
 
 from service.engine.buckets import Buckets
-from service.engine.dp import DPMLP, DPGroup
+from service.engine.dp import DPMLP, DPGroup, DPRunner, DPStep
 from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
-from service.engine.runner import PrefillRunner
+from service.engine.runners.eager import EagerRunner
 from tests.engine.helpers import PAGE, chunk, free_port, prompts, tiny_model
 
 ATOL = 1e-4
@@ -30,14 +30,14 @@ def reference() -> list[list[torch.Tensor]]:
     """DP 1: the unsharded model, eager, each step's prompts of both ranks in one batch."""
     model = tiny_model(seed=3)
     pool = KVPool(model.cfg, 1024, PAGE, torch.float32, "cpu")
-    runner = PrefillRunner(model, Buckets(()), None)
+    runner = EagerRunner(model)
     out = []
     for step in range(len(STEPS)):
         per_rank = []
         for rank in (0, 1):
             chunks = [chunk(pool, p) for p in rank_prompts(step, rank)]
             with torch.inference_mode():
-                logits, *_ = runner.prefill(chunks, pool.cache)
+                logits, *_ = runner.run(chunks, pool.cache)
             per_rank.append(logits)
         out.append(per_rank)
     return out
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, buckets: tuple[int, .
     group = init_dp(rank, world, "gloo", f"tcp://127.0.0.1:{port}")
     model = tiny_model(seed=3)
     backend = SegmentBackend() if buckets else None
-    runner = PrefillRunner(model, Buckets(buckets), backend, dp=group)
+    runner = DPRunner(model, Buckets(buckets), backend, group)
     pool = KVPool(model.cfg, 1024, PAGE, torch.float32, "cpu")
     results = []
     with torch.inference_mode():
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, buckets: tuple[int, .
             runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
         for step in range(len(STEPS)):
             chunks = [chunk(pool, p) for p in rank_prompts(step, rank)]
-            logits, batch, mode = runner.prefill(chunks, pool.cache)
+            logits, batch, mode = runner.run(chunks, pool.cache)
             results.append((logits, mode, batch.padded_tokens))
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     close_dp(group)
@@ -93,17 +93,16 @@ def test_two_gloo_ranks_match_dp1(ref, buckets, tmp_path):
 def test_world_one_dp_path_with_segments_matches_non_dp():
     """DP world size 1: real capture-only tensors in the breakable path; same logits."""
     model = tiny_model(seed=3)
-    dp_runner = PrefillRunner(tiny_model(seed=3), Buckets((8, 16)), SegmentBackend(),
-                              dp=DPGroup())
+    dp_runner = DPRunner(tiny_model(seed=3), Buckets((8, 16)), SegmentBackend(), DPGroup())
     assert isinstance(dp_runner.model.layers[0].mlp, DPMLP)
     pool = KVPool(model.cfg, 512, PAGE, torch.float32, "cpu")
-    plain = PrefillRunner(model, Buckets(()), None)
+    plain = EagerRunner(model)
     with torch.inference_mode():
         dp_runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
         for lengths in ([3, 4], [9, 2, 1], [16]):
             chunks = [chunk(pool, p) for p in prompts(97, lengths, seed=len(lengths))]
-            got, _, mode = dp_runner.prefill(chunks, pool.cache)
-            want, _, _ = plain.prefill(chunks, pool.cache)
+            got, _, mode = dp_runner.run(chunks, pool.cache)
+            want, _, _ = plain.run(chunks, pool.cache)
             assert mode == "graph"
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     assert dp_runner.retained_input_bytes == 2 * 8  # two buckets, [gather_len, n_0] int32
@@ -112,7 +111,7 @@ def test_world_one_dp_path_with_segments_matches_non_dp():
 def test_mlp_shards_reassemble_the_full_mlp():
     model = tiny_model(seed=4)
     mlp = model.layers[0].mlp
-    shards = [DPMLP(mlp, _FakeGroup(r, 2)) for r in (0, 1)]
+    shards = [DPMLP(mlp, _FakeGroup(r, 2), DPStep()) for r in (0, 1)]
     x = torch.randn(5, model.cfg.hidden_size)
     with torch.inference_mode():
         full = mlp(x)

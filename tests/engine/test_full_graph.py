@@ -14,26 +14,18 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.buckets import Buckets
-from service.engine.full_graph import FullBuffers
-from service.engine.graph import SegmentBackend
+from service.engine.full_buffers import FullBuffers
 from service.engine.kv_pool import KVPool
 from service.engine.pages import DUMMY_SLOT
-from service.engine.runner import FullGraphSpec, PrefillRunner
 from service.engine.sampling import last_rows, unpack
-from tests.engine.helpers import PAGE, chunk, prompts, tiny_cfg, tiny_model
+from tests.engine.helpers import PAGE, Runners, chunk, prompts, tiny_cfg, tiny_model
 
 ATOL = 1e-4
 SEQS, PAGES = 3, 40
 
 
-def make_runner(model=None, buckets=(4, 8, 16, 32, 64), full_max=32, shared=0):
-    model = model or tiny_model(seed=7)
-    runner = PrefillRunner(model, Buckets(buckets), SegmentBackend(), shared_max_tokens=shared,
-                           full=FullGraphSpec(full_max, SEQS, PAGES))
-    with torch.inference_mode():
-        runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
-    return runner
+def make_runner(model=None, buckets=(4, 8, 16, 32, 64), full_max=32):
+    return Runners(model or tiny_model(seed=7), buckets, full_max, SEQS, PAGES)
 
 
 def eager(model, chunks, pool):
@@ -101,11 +93,11 @@ def runner():
 
 
 def test_capture_adds_one_whole_step_per_small_bucket(runner):
-    assert runner.captured == (4, 8, 16, 32, 64)
-    assert runner.full_captured == (4, 8, 16, 32)
-    for n in runner.full_captured:
+    assert runner.breakable.captured == (4, 8, 16, 32, 64)
+    assert runner.full.captured == (4, 8, 16, 32)
+    for n in runner.full.captured:
         assert runner.backend.num_steps(("full", n)) == (1, 0)
-    assert runner.kv_addrs.kv is None  # the scratch pool is not held after capture
+    assert runner.full.kv_addrs.kv is None  # the scratch pool is not held after capture
 
 
 @pytest.mark.parametrize("lengths, prefixes", [
@@ -159,35 +151,41 @@ def test_the_pool_is_bound_at_replay(runner):
         outs.append(logits)
         torch.testing.assert_close(logits, eager(runner.model, chunks, pool)[0], atol=ATOL,
                                    rtol=0)
-        assert runner.kv_addrs.kv is pool.cache
+        assert runner.full.kv_addrs.kv is pool.cache
     assert not torch.equal(outs[0], outs[1])
 
 
 def test_scratch_pool_is_freeable_after_capture():
+    from service.engine.buckets import Buckets
+    from service.engine.graph import SegmentBackend
+    from service.engine.runners.breakable import BreakableRunner
+    from service.engine.runners.full import FullGraphRunner
+
     model = tiny_model(seed=3)
-    runner = PrefillRunner(model, Buckets((4, 8)), SegmentBackend(),
-                           full=FullGraphSpec(8, SEQS, PAGES))
+    breakable = BreakableRunner(model, Buckets((4, 8)), SegmentBackend())
+    full = FullGraphRunner(breakable, 8, SEQS, PAGES)
     scratch = KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu")
     cache, layer0 = weakref.ref(scratch.cache), weakref.ref(scratch.cache.k[0])
     with torch.inference_mode():
-        runner.capture(scratch.cache)
+        breakable.capture(scratch.cache)
+        full.capture(scratch.cache)
     del scratch
     gc.collect()
     assert cache() is None and layer0() is None
-    assert runner.full_captured == (4, 8)
+    assert full.captured == (4, 8)
 
 
-def test_no_full_graphs_when_off_or_with_shared_layers_only_above():
+def test_no_full_graphs_when_off_and_only_up_to_the_limit():
     runner = make_runner(full_max=0)
-    assert runner.full_captured == () and runner.full_bufs is None
-    shared = make_runner(buckets=(4, 8, 16), full_max=8, shared=16)
-    assert shared.full_captured == (4, 8)
-    pool = KVPool(shared.cfg, 512, PAGE, torch.float32, "cpu")
-    chunks = [chunk(pool, x) for x in prompts(shared.cfg.vocab_size, [3, 4], seed=9)]
+    assert runner.full is None and runner.backend.keys == (64, 32, 16, 8, 4)
+    some = make_runner(buckets=(4, 8, 16), full_max=8)
+    assert some.full.captured == (4, 8)
+    pool = KVPool(some.cfg, 512, PAGE, torch.float32, "cpu")
+    chunks = [chunk(pool, x) for x in prompts(some.cfg.vocab_size, [3, 4], seed=9)]
     with torch.inference_mode():
-        logits, _, _ = shared.prefill(chunks, pool.cache)
-    assert shared.full_forwards == 1
-    torch.testing.assert_close(logits, eager(shared.model, chunks, pool)[0], atol=ATOL, rtol=0)
+        logits, _, _ = some.prefill(chunks, pool.cache)
+    assert some.full_forwards == 1
+    torch.testing.assert_close(logits, eager(some.model, chunks, pool)[0], atol=ATOL, rtol=0)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -198,7 +196,7 @@ def test_full_graph_on_triton_kernels_matches_reference():
     from tests.engine.test_runner_triton import triton_vs_reference
 
     runner, got, batch, mode, want, tails, pool, ref_pool = triton_vs_reference(
-        full=FullGraphSpec(16, SEQS, PAGES))  # the prefixes go through a full graph too
+        full_max=16)  # the prefixes go through a full graph too
     assert mode == "graph" and runner.full_forwards == 2 and batch.padded_tokens == 8
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     live = np.concatenate([np.arange(p * 4, p * 4 + 4) for c in tails for p in c.pages])
@@ -210,14 +208,9 @@ def test_settings_reach_the_engine_config():
     from service.config import ConfigError, load_settings, resolve
 
     eng, _ = resolve(load_settings({"CUDA_GRAPH_FULL_MAX_TOKENS": "256",
-                                    "CUDA_GRAPH_FULL_MAX_SEQS": "4",
-                                    "CUDA_GRAPH_FULL_BLAS": "cublas"}), False)
+                                    "CUDA_GRAPH_FULL_MAX_SEQS": "4"}), False)
     assert (eng.cuda_graph_full_max_tokens, eng.cuda_graph_full_max_seqs) == (256, 4)
-    assert eng.cuda_graph_full_blas == "cublas"
     default, _ = resolve(load_settings({}), False)
     assert (default.cuda_graph_full_max_tokens, default.cuda_graph_full_max_seqs) == (1024, 8)
-    assert default.cuda_graph_full_blas == "cublaslt"
     with pytest.raises(ConfigError, match="CUDA_GRAPH_FULL_MAX_SEQS"):
         load_settings({"CUDA_GRAPH_FULL_MAX_SEQS": "0"})
-    with pytest.raises(ConfigError, match="CUDA_GRAPH_FULL_BLAS"):
-        load_settings({"CUDA_GRAPH_FULL_BLAS": "mkl"})

@@ -1,7 +1,7 @@
 """Full CUDA graphs on a GPU: for every bucket up to 1,024 tokens, a varlen batch with cached
 prefixes replayed through its full graph (attention and KV store inside) equals the eager
-forward of the same padded rows (the same per-layer GEMMs; the breakable graphs of buckets up
-to 32 tokens use layer-indexed Triton GEMMs instead), logits and stored KV; the KV pool is
+forward of the same padded rows (through the BLAS library the graphs were captured with),
+logits and stored KV; the KV pool is
 allocated after capture and can change between replays. (The engine core's full graphs:
 tests/engine/test_graph_gpu.py::test_engine_core_sizes_kv_after_capture.)
 """
@@ -15,21 +15,20 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.buckets import Buckets, default_ladder
-from service.engine.graph import CudaGraphBackend
+from service.engine.buckets import default_ladder
 from service.engine.kv_pool import KVPool
-from service.engine.runner import FullGraphSpec, PrefillRunner, blas_library
+from service.engine.runners import on_stream
+from service.engine.runners.full import BLAS, blas_library
 from service.engine.sampling import unpack
 from service.model.config import preset
 from service.model.loader import random_model
-from tests.engine.helpers import chunk, prompts
+from tests.engine.helpers import Runners, chunk, prompts
 from tests.engine.test_graph_gpu import relerr, varlen_batch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PAGE = 16
 BF16 = torch.bfloat16
-FULL = FullGraphSpec(1024, 8, 2048)
 
 
 @pytest.fixture(scope="module", params=[("smollm2-135m", False), ("llama-3.2-1b", False),
@@ -40,24 +39,21 @@ def runner(request):
     cfg = preset(name, num_layers=3)
     model = random_model(cfg, "cuda", BF16, seed=0)
     unfolded = copy.deepcopy(model) if fold else None
-    stream = torch.cuda.Stream()
-    r = PrefillRunner(model, Buckets(default_ladder(2048)), CudaGraphBackend(stream),
-                      stream=stream, shared_max_tokens=32, full=FULL, fold_norms=fold)
-    assert model.norms_folded == fold
-    with torch.inference_mode():
-        r.capture(KVPool(cfg, PAGE, PAGE, BF16, "cuda").cache)
+    if fold:
+        model.fold_norms()  # as the engine does before building its runners
+    r = Runners(model, default_ladder(2048), full_max=1024, seqs=8, pages=2048, page=PAGE)
     r.unfolded = unfolded  # the same weights before the fold, for the folded runners
     yield r
     r.close()
 
 
 def test_folded_graphs_match_the_unfolded_model(runner):
-    """Full (<= 1,024 tokens), breakable and shared-middle (<= 32) graphs of a folded model
+    """Full (<= 1,024 tokens) and breakable graphs of a folded model
     against the unfolded model's eager forward: the fold changes only roundings."""
     if runner.unfolded is None:
         pytest.skip("an unfolded runner")
     pool = KVPool(runner.cfg, 8192, PAGE, BF16, "cuda")
-    for lengths in ([20], [300, 200], [1500, 400]):  # shared + full, full, breakable (2048)
+    for lengths in ([20], [300, 200], [1500, 400]):  # full, full, breakable (2048)
         chunks = [chunk(pool, p) for p in prompts(runner.cfg.vocab_size, lengths, seed=3)]
         with torch.inference_mode():
             got, _, mode = runner.prefill(chunks, pool.cache)
@@ -78,14 +74,14 @@ def kv_rows(pool, chunks):
 
 
 def test_full_graph_equals_eager_for_every_small_bucket(runner):
-    sizes = runner.full_captured
+    sizes = runner.full.captured
     assert sizes == tuple(n for n in default_ladder(2048) if n <= 1024) and len(sizes) == 38
     pool = KVPool(runner.cfg, 64 * 1024, PAGE, BF16, "cuda")  # allocated after capture
     rng = random.Random(0)
     for prev, n in zip((0, *sizes), sizes):
         total = rng.randint(max(prev + 1, (n + 1) // 2), n)
         chunks = varlen_batch(runner, pool, total, rng)
-        assert runner.can_use_full(chunks, total)
+        assert runner.full.can_run(chunks, total)
         before = runner.full_forwards
         with torch.inference_mode():
             full, batch, mode = runner.prefill(chunks, pool.cache)
@@ -93,8 +89,9 @@ def test_full_graph_equals_eager_for_every_small_bucket(runner):
             kv_full = kv_rows(pool, chunks)
             # the same padded rows, eagerly, through the BLAS library the full graphs were
             # captured with: the same GEMM kernels, so only attention's rounding may differ
-            with runner.on_stream(), blas_library(runner.full.blas, runner.device):
-                brk = runner.forward_eager(build_batch(chunks, pool.cache, "cuda", pad_to=n))
+            with on_stream(runner.stream), blas_library(BLAS, torch.device("cuda")):
+                b = build_batch(chunks, pool.cache, "cuda", pad_to=n)
+                brk = runner.model(b.input_ids, b.positions, b.meta)
         torch.cuda.synchronize()
         assert mode == "graph" and runner.full_forwards == before + 1
         assert batch.padded_tokens == n and torch.isfinite(full).all(), n
@@ -120,12 +117,11 @@ def test_full_graph_follows_the_pool_it_is_given(runner):
             b = build_batch([tail], pool.cache, "cuda")
             want = runner.model(b.input_ids, b.positions, b.meta)
         torch.cuda.synchronize()
-        assert runner.full_forwards > 0 and runner.kv_addrs.kv is pool.cache
+        assert runner.full_forwards > 0 and runner.full.kv_addrs.kv is pool.cache
         assert relerr(got, want) <= 2e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
         outs.append(got)
         del pool
     assert not torch.equal(outs[0], outs[1])
-
 
 
 def test_full_and_breakable_forwards_share_kv_in_order(runner):

@@ -1,7 +1,7 @@
 """Breakable CUDA graphs on a GPU: replay equals eager for every bucket of the default ladder
 on random varlen batches with cached prefixes, also after smaller buckets were captured into
-the shared pool; DP world size 1 with graphs; the engine core's post-capture sizing (with its
-full graphs: tests/engine/test_full_graph_gpu.py covers those).
+the shared pool; DP world size 1 with graphs; the engine core's post-capture sizing (its full
+graphs: tests/engine/test_full_graph_gpu.py).
 
 `test_sanitizer_smoke` is small enough for compute-sanitizer:
     compute-sanitizer --tool memcheck python -m pytest tests/engine/test_graph_gpu.py -k smoke
@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from service.engine.batch import build_batch
+from service.engine.batch import BatchStaging, build_batch
 from service.engine.buckets import Buckets, default_ladder
-from service.engine.dp import DPGroup
+from service.engine.dp import DPGroup, DPRunner
 from service.engine.graph import CudaGraphBackend
 from service.engine.kv_pool import KVPool
-from service.engine.runner import PrefillRunner
+from service.engine.runners import on_stream
+from service.engine.runners.breakable import BreakableRunner
 from service.model.config import preset
 from service.model.loader import random_model
 from tests.engine.helpers import chunk, engine_cfg, free_port, prompts
@@ -29,7 +30,6 @@ from tests.engine.helpers import chunk, engine_cfg, free_port, prompts
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PAGE = 16
-SHARED = 32  # CUDA_GRAPH_SHARED_MAX_TOKENS' default: buckets of both segment kinds
 BF16 = torch.bfloat16
 
 
@@ -38,15 +38,24 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def build(cfg_name: str = "smollm2-135m", buckets=None, dp=None, seed: int = 0, **over):
+    """A captured breakable runner (a DPRunner with `dp`) and a KV pool."""
     cfg = preset(cfg_name, **over)
     model = random_model(cfg, "cuda", BF16, seed=seed)
     stream = torch.cuda.Stream()
-    runner = PrefillRunner(model, Buckets(tuple(buckets or default_ladder(8192))),
-                           CudaGraphBackend(stream), dp=dp, stream=stream,
-                           shared_max_tokens=SHARED)
+    ladder = Buckets(tuple(buckets or default_ladder(8192)))
+    backend = CudaGraphBackend(stream)
+    if dp is None:
+        runner = BreakableRunner(model, ladder, backend, stream, BatchStaging("cuda"))
+    else:
+        runner = DPRunner(model, ladder, backend, dp, stream)
     with torch.inference_mode():
         runner.capture(KVPool(cfg, PAGE, PAGE, BF16, "cuda").cache)
     return runner, KVPool(cfg, 64 * 1024, PAGE, BF16, "cuda")
+
+
+def close(runner) -> None:
+    runner.close()
+    runner.backend.close()
 
 
 def varlen_batch(runner, pool, total: int, rng: random.Random):
@@ -68,16 +77,28 @@ def after_prefixes(runner, pool, full: list[list[int]], prefixes: list[int]):
         head = chunk(pool, ids[:p]) if p else None
         if head is not None:
             with torch.inference_mode():
-                runner.prefill([head], pool.cache)
+                run(runner, [head], pool)
         chunks.append(chunk(pool, ids[p:], p, list(head.pages) if head else None))
     return chunks
 
 
+def run(runner, chunks, pool):
+    """(logits, batch, mode) of the graph path, or eager when the batch fits no bucket."""
+    if hasattr(runner, "prefill"):  # tests.engine.helpers.Runners
+        return runner.prefill(chunks, pool.cache)
+    tokens = sum(c.num_tokens for c in chunks)
+    if isinstance(runner, DPRunner) or runner.can_run(chunks, tokens):
+        return runner.run(chunks, pool.cache)
+    with on_stream(runner.stream):
+        b = build_batch(chunks, pool.cache, "cuda")
+        return runner.model(b.input_ids, b.positions, b.meta), b, "eager"
+
+
 def graph_and_eager(runner, pool, chunks, n: int):
-    with torch.inference_mode(), runner.on_stream():
+    with torch.inference_mode(), on_stream(runner.stream):
         batch = build_batch(chunks, pool.cache, "cuda", pad_to=n)
-        graph = runner.forward_graph(batch).clone()
-        eager = runner.forward_eager(batch)  # the same padded rows, allocating path
+        graph = runner.forward(batch).clone()
+        eager = runner.model(batch.input_ids, batch.positions, batch.meta)  # the same rows
     torch.cuda.synchronize()
     return graph, eager
 
@@ -86,7 +107,7 @@ def graph_and_eager(runner, pool, chunks, n: int):
 def smol():
     runner, pool = build(num_layers=4)
     yield runner, pool
-    runner.close()
+    close(runner)
 
 
 def test_replay_matches_eager_for_every_bucket(smol):
@@ -94,12 +115,11 @@ def test_replay_matches_eager_for_every_bucket(smol):
     rng = random.Random(0)
     sizes = runner.buckets.sizes
     assert runner.captured == sizes and len(sizes) == 58
-    layers = runner.cfg.num_layers  # one middle graph serves every layer in the small buckets
-    assert runner.backend.num_graphs == sum(3 if n <= SHARED else layers + 1 for n in sizes)
+    assert runner.backend.num_graphs == len(sizes) * (runner.cfg.num_layers + 1)
     first = None
     for prev, n in zip((0, *sizes), sizes):  # smallest first: the largest is captured first
         total = rng.randint(max(prev + 1, (n + 1) // 2), n)
-        assert runner.pad_to_bucket(total) == n and runner.can_use_graph(total)
+        assert runner.buckets.pad_to_bucket(total) == n and runner.can_run([], total)
         chunks = varlen_batch(runner, pool, total, rng)
         graph, eager = graph_and_eager(runner, pool, chunks, n)
         assert torch.isfinite(graph).all(), n
@@ -120,16 +140,16 @@ def test_prefill_path_picks_graphs_and_matches_eager(smol):
     runner, pool = smol
     chunks = [chunk(pool, p) for p in prompts(runner.cfg.vocab_size, [37, 100, 5], seed=1)]
     with torch.inference_mode():
-        logits, batch, mode = runner.prefill(chunks, pool.cache)
+        logits, batch, mode = run(runner, chunks, pool)
         b2 = build_batch(chunks, pool.cache, "cuda")
         ref = runner.model(b2.input_ids, b2.positions, b2.meta)
     assert mode == "graph" and batch.padded_tokens == 144
     assert relerr(logits, ref) <= 2e-2  # unpadded eager: other GEMM shapes, bf16 rounding
-    assert runner.retained_input_bytes == 0
+    assert runner.backend.retained_bytes() == 0
 
 
 def test_staged_batches_of_one_shape_reuse_the_break_and_match_eager(smol):
-    """runner.prefill stages batches through reused buffers and reuses the attention launch it
+    """The runner stages batches through reused buffers and reuses the attention launch it
     bound for a shape: later batches of that shape, with other tokens, other pages and other
     cached prefixes (of the same longest length), must still be read and written through
     their own metadata."""
@@ -141,7 +161,7 @@ def test_staged_batches_of_one_shape_reuse_the_break_and_match_eager(smol):
         full = prompts(vocab, [30 + 20, 64, prefixes[2] + 9], seed=50 + i)  # 93 new tokens
         chunks = after_prefixes(runner, pool, full, prefixes)
         with torch.inference_mode():
-            logits, batch, mode = runner.prefill(chunks, pool.cache)
+            logits, batch, mode = run(runner, chunks, pool)
             logits = logits.clone()
             b2 = build_batch(chunks, pool.cache, "cuda")
             ref = runner.model(b2.input_ids, b2.positions, b2.meta)
@@ -165,16 +185,19 @@ def test_dp_world_size_one_with_graphs():
     try:
         for n in buckets:
             chunks = varlen_batch(dp_runner, pool, n - 3, rng)
-            graph, eager = graph_and_eager(dp_runner, pool, chunks, n)
-            with torch.inference_mode(), plain.on_stream():
-                ref = plain.forward_graph(build_batch(chunks, pool.cache, "cuda", pad_to=n))
-            assert relerr(graph, eager) <= 1e-3 and relerr(graph, ref) <= 1e-3, n
+            with torch.inference_mode():
+                graph, batch, mode = dp_runner.run(chunks, pool.cache)
+                graph = graph.clone()
+                ref, _, _ = run(plain, chunks, pool)
+            torch.cuda.synchronize()
+            assert mode == "graph" and batch.padded_tokens == n
+            assert relerr(graph, ref) <= 1e-3, n
             kept = dp_runner.backend.retained(n)
             assert kept.packed.tolist() == [n, n - 3] and kept.nbytes <= 4096
         assert dp_runner.retained_input_bytes <= 4096 * len(buckets)
     finally:  # a failure here must not leave graphs for a later test's capture to collect
-        dp_runner.close()
-        plain.close()
+        close(dp_runner)
+        close(plain)
 
 
 def test_sanitizer_smoke():
@@ -184,7 +207,7 @@ def test_sanitizer_smoke():
     for n in (16, 64):
         graph, eager = graph_and_eager(runner, pool, varlen_batch(runner, pool, n - 1, rng), n)
         assert relerr(graph, eager) <= 1e-3
-    runner.close()
+    close(runner)
 
 
 def test_engine_core_sizes_kv_after_capture():
@@ -203,11 +226,11 @@ def test_engine_core_sizes_kv_after_capture():
     assert m.kv_tokens >= 0.99 * ideal and m.kv_bytes == core.pool.nbytes
     assert m.eager_peak_bytes > 0 and m.weights_bytes > 0
     # full graphs (the default) for buckets up to 1,024 tokens, captured before KV sizing
-    assert core.runner.full_captured == tuple(n for n in m.buckets if n <= 1024)
-    assert m.full_buckets == core.runner.full_captured
+    assert core.graphs.full_buckets == tuple(n for n in m.buckets if n <= 1024)
+    assert m.full_buckets == core.graphs.full_buckets
     ids = prompts(cfg.vocab_size, [300, 20], seed=3)
     out = core.forward([chunk(core.pool, x) for x in ids])
-    assert out.mode == "graph" and core.runner.full_forwards == 1
+    assert out.mode == "graph" and core.runs["full"] == 1
     assert [x.shape for x in out.logits] == [(1, cfg.vocab_size)] * 2
     assert [r.greedy.id for r in out.last] == [int(x[-1].argmax()) for x in out.logits]
     core.close()
@@ -234,10 +257,10 @@ def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
     got = []
     for step in range(len(NCCL_STEPS)):
         chunks = [chunk(pool, p) for p in _nccl_prompts(step, rank, runner.cfg.vocab_size)]
-        logits, batch, mode = runner.prefill(chunks, pool.cache)
+        logits, batch, mode = runner.run(chunks, pool.cache)
         got.append((logits.cpu(), mode, batch.padded_tokens))  # the parent loads on one GPU
     torch.save(got, os.path.join(outdir, f"rank{rank}.pt"))
-    runner.close()
+    close(runner)
     close_dp(group)
 
 
@@ -249,19 +272,20 @@ def test_dp_two_nccl_ranks_with_graphs_match_dp1(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for step, (logits, mode, padded) in enumerate(got):
             counts = [sum(NCCL_STEPS[step][r]) for r in (0, 1)]
-            assert mode == "graph" and padded == plain.pad_to_bucket(max(counts))
+            assert mode == "graph" and padded == plain.buckets.pad_to_bucket(max(counts))
             chunks = [chunk(pool, p) for p in _nccl_prompts(step, rank, plain.cfg.vocab_size)]
-            want = plain.prefill(chunks, pool.cache)[0].cpu()
+            with torch.inference_mode():
+                want = run(plain, chunks, pool)[0].cpu()
             assert logits.shape == want.shape
             if want.numel():
                 # NOTE: sharded MLP sums round differently; on this shape two correct bf16
-                # forwards already differ by ~5e-3 (bench/dp_numerics.py), so 1e-3 cannot hold
-                # for any sharded sum. The next token must match exactly.
+                # forwards already differ by ~5e-3, so 1e-3 cannot hold for any sharded sum.
+                # The next token must match exactly.
                 err = relerr(logits, want)
                 print(f"DP 2 vs DP 1, rank {rank} step {step}: logits relerr {err:.2e}")
                 assert err <= 2e-2, (rank, step, err)
                 assert torch.equal(logits.argmax(-1), want.argmax(-1)), (rank, step)
-    plain.close()
+    close(plain)
 
 
 def test_no_kernel_compiles_on_the_serving_path_after_start_up():
@@ -269,7 +293,7 @@ def test_no_kernel_compiles_on_the_serving_path_after_start_up():
     meets (full graphs; breakable ones with more prompts than a full graph takes; a prompt over
     1,024 tokens whose page-table width is no multiple of 16; cached prefixes with small and
     large tiles) compile no new Triton kernel variant."""
-    from kernels import extend_attention, logits_summary
+    from kernels import extend_attention_triton, logits_summary
     from service.engine.core import EngineCore
     from service.model.loader import LoadedModel
 
@@ -278,7 +302,7 @@ def test_no_kernel_compiles_on_the_serving_path_after_start_up():
     core = EngineCore(engine_cfg(device="cuda", dtype="bfloat16", mem_fraction_static=0.3,
                                  max_prefill_tokens=8192, cuda_graph_max_tokens=8192,
                                  max_batch_prompts=64, page_size=PAGE), loaded=loaded)
-    fns = (extend_attention._extend_attention_kernel, logits_summary._chunk_kernel,
+    fns = (extend_attention_triton._extend_attention_kernel, logits_summary._chunk_kernel,
            logits_summary._merge_kernel)
     dev = torch.cuda.current_device()
 
@@ -287,7 +311,7 @@ def test_no_kernel_compiles_on_the_serving_path_after_start_up():
 
     before = variants()
     assert all(before), before
-    assert core.runner.forward_counts == {"graph": 0, "eager": 0}  # warm-up is not counted
+    assert core.forward_counts == {"graph": 0, "eager": 0}  # warm-up is not counted
     pool, v = core.pool, cfg.vocab_size
     modes = []
 
@@ -304,7 +328,7 @@ def test_no_kernel_compiles_on_the_serving_path_after_start_up():
     run([chunk(pool, x, 32, list(h.pages)) for x, h in
          zip(prompts(v, [16] * 9, seed=6), heads)])  # 9 prompts after cached prefixes
     core.prefill_chunked(prompts(v, [2100], seed=7)[0], chunk_tokens=1050)  # large tiles
-    assert modes == ["graph"] * 4 and core.runner.full_forwards == 1, modes
+    assert modes == ["graph"] * 4 and core.runs["full"] == 1, modes
     assert variants() == before
     core.close()
     del core

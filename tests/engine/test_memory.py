@@ -5,17 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.buckets import Buckets
+from service.engine.capture import capture_and_size
 from service.engine.core import EngineCore
 from service.engine.kv_pool import KVPool
-from service.engine.memory import (
-    InsufficientMemory,
-    plan_kv,
-    size_after_capture,
-    smallest_workable_fraction,
-)
+from service.engine.memory import InsufficientMemory, plan_kv, smallest_workable_fraction
 from service.engine.pages import pages_for
-from service.engine.runner import PrefillRunner
+from service.engine.runners.eager import EagerRunner
 from tests.engine.helpers import PAGE, engine_cfg, tiny_cfg, tiny_loaded, tiny_model
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -63,16 +58,17 @@ def test_smallest_workable_fraction_is_the_threshold():
     assert free_now - (1 - (f - 0.01)) * free_before < need
 
 
-def cpu_runner():
-    return PrefillRunner(tiny_model(), Buckets(()), None)
+def size(reader, free_before, weights, fraction, runner=None):
+    """capture_and_size on the CPU (no graphs), one 64-token batch of eager peak."""
+    model = tiny_model()
+    return capture_and_size(model, None, runner or EagerRunner(model), None, reader,
+                            free_before, weights, fraction, PAGE, 64)
 
 
 def test_refuses_to_start_naming_every_term_and_the_smallest_fraction():
-    runner = cpu_runner()
     free_before, free_pre, free_now = 100 * GIB, 90 * GIB, 60 * GIB
     with pytest.raises(InsufficientMemory) as e:
-        size_after_capture(runner, scripted(free_pre, free_now), free_before, 8 * GIB,
-                           fraction=0.3, page_size=PAGE, max_prefill_tokens=64)
+        size(scripted(free_pre, free_now), free_before, 8 * GIB, fraction=0.3)
     msg = str(e.value)
     for term in ("MEM_FRACTION_STATIC=0.3", "free before loading 100.00 GiB", "weights 8.00 GiB",
                  "CUDA-graph capture 30.00 GiB", "other start-up use 2.00 GiB",
@@ -80,22 +76,21 @@ def test_refuses_to_start_naming_every_term_and_the_smallest_fraction():
                  "KV bytes = -10.00 GiB", "smallest workable MEM_FRACTION_STATIC is 0.41"):
         assert term in msg, (term, msg)
     # and 0.41 does start
-    report, plan = size_after_capture(runner, scripted(free_pre, free_now), free_before,
-                                      8 * GIB, 0.41, PAGE, 64)
+    report, plan = size(scripted(free_pre, free_now), free_before, 8 * GIB, 0.41)
     assert plan.tokens >= 64
 
 
 def test_no_fraction_fits_says_what_to_change():
     with pytest.raises(InsufficientMemory, match="no MEM_FRACTION_STATIC fits"):
-        size_after_capture(cpu_runner(), scripted(1000, 10), 1000, 900, 0.5, PAGE, 64)
+        size(scripted(1000, 10), 1000, 900, 0.5)
 
 
-def test_warns_when_the_eager_peak_does_not_fit_the_reserve(caplog):
-    runner = cpu_runner()
-    runner.measure_eager_peak = lambda n, kv: 20 * GIB
+def test_warns_when_the_eager_peak_does_not_fit_the_reserve(caplog, monkeypatch):
+    from service.engine import capture
+
+    monkeypatch.setattr(capture, "eager_peak_bytes", lambda device, run: 20 * GIB)
     with caplog.at_level("WARNING"):
-        report, _ = size_after_capture(runner, scripted(70 * GIB, 70 * GIB), 80 * GIB, GIB,
-                                       0.85, PAGE, 64)
+        report, _ = size(scripted(70 * GIB, 70 * GIB), 80 * GIB, GIB, 0.85)
     assert "eager activation peak 20.00 GiB" in caplog.text and "exceeds the reserve" in caplog.text
     assert "MEM_FRACTION_STATIC ≤ 0.75" in caplog.text
     assert report.eager_peak_bytes == 20 * GIB

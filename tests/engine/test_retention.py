@@ -10,10 +10,10 @@ import weakref
 import torch
 
 from service.engine.buckets import Buckets
-from service.engine.dp import DPCaptureInputs, DPGroup
+from service.engine.dp import DPCaptureInputs, DPGroup, DPRunner
 from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
-from service.engine.runner import PrefillRunner
+from service.engine.runners.breakable import BreakableRunner
 from tests.engine.helpers import PAGE, tiny_model
 
 
@@ -22,16 +22,17 @@ class RecordingBackend(SegmentBackend):
         super().__init__()
         self.given: dict[int, object] = {}
 
-    def capture_one(self, shape_key, run_once, capture_inputs=None, post_warmup_hook=None):
-        self.given[shape_key] = capture_inputs
-        super().capture_one(shape_key, run_once, capture_inputs, post_warmup_hook)
+    def capture(self, key, run, attend, keep=None):
+        self.given[key] = keep
+        super().capture(key, run, attend, keep)
 
 
-def capture(dp: DPGroup | None = None, retain_capture_batch: bool = False):
+def capture(dp: DPGroup | None = None):
     model = tiny_model()
     backend = RecordingBackend()
-    runner = PrefillRunner(model, Buckets((4, 8, 16)), backend, dp=dp,
-                           retain_capture_batch=retain_capture_batch)
+    buckets = Buckets((4, 8, 16))
+    runner = (BreakableRunner(model, buckets, backend) if dp is None
+              else DPRunner(model, buckets, backend, dp))
     refs: list[weakref.ref] = []
     make = runner.capture_batch
 
@@ -56,7 +57,7 @@ def test_non_dp_retains_nothing_and_the_capture_batch_dies():
     assert backend.given == {16: None, 8: None, 4: None}
     assert len(refs) == 6 and all(r() is None for r in refs)
     assert scratch_ref() is None  # nothing pins the scratch KV pool either
-    assert runner.retained_input_bytes == 0
+    assert backend.retained_bytes() == 0
 
 
 def test_dp_retains_only_the_capture_only_tensors_and_counts_their_bytes():
@@ -68,17 +69,7 @@ def test_dp_retains_only_the_capture_only_tensors_and_counts_their_bytes():
         assert backend.retained(n) is kept
     per_bucket = [k.nbytes for k in backend.given.values()]
     assert all(b <= 4096 for b in per_bucket)
-    assert runner.retained_input_bytes == sum(per_bucket) == 3 * 2 * 4  # (world+1) int32 each
-
-
-def test_ungated_variant_pins_every_capture_batch_and_the_scratch_pool():
-    runner, backend, refs, scratch_ref = capture(retain_capture_batch=True)
-    assert all(r() is not None for r in refs) and scratch_ref() is not None
-    assert runner.retained_input_bytes > 0
-    runner.close()
-    backend.given.clear()  # the recorder's own references
-    gc.collect()
-    assert all(r() is None for r in refs)
+    assert backend.retained_bytes() == sum(per_bucket) == 3 * 2 * 4  # (world+1) int32 each
 
 
 def test_dp_graph_path_fills_the_retained_counts_before_replay():
@@ -88,6 +79,6 @@ def test_dp_graph_path_fills_the_retained_counts_before_replay():
 
     c = [chunk(pool, prompts(97, [6], seed=9)[0])]
     with torch.inference_mode():
-        logits, batch, mode = runner.prefill(c, pool.cache)
+        logits, batch, mode = runner.run(c, pool.cache)
     assert mode == "graph" and batch.padded_tokens == 8
     assert backend.retained(8).packed.tolist() == [8, 6]  # [gather_len, n_0]

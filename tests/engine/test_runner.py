@@ -1,4 +1,4 @@
-"""The prefill runner on CPU: the breakable path (device-free backend) against the eager model,
+"""The runners on CPU: the breakable graphs (device-free backend) against the eager model,
 padding rules, chunked prefill, and the engine core's CPU path."""
 
 from __future__ import annotations
@@ -9,25 +9,24 @@ import pytest
 import torch
 
 from service.engine.batch import SeqChunk, build_batch
-from service.engine.buckets import Buckets
 from service.engine.core import EngineCore
-from service.engine.dp import DPGroup
-from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
-from tests.engine.helpers import PAGE, chunk, engine_cfg, prompts, tiny_loaded, tiny_model
+from tests.engine.helpers import (
+    PAGE,
+    Runners,
+    chunk,
+    engine_cfg,
+    prompts,
+    tiny_loaded,
+    tiny_model,
+)
 
 ATOL = 1e-4
 
 
 def make_runner(buckets=(4, 8, 16, 32, 64), model=None):
-    from service.engine.runner import PrefillRunner
-
-    model = model or tiny_model()
-    runner = PrefillRunner(model, Buckets(tuple(buckets)), SegmentBackend())
-    scratch = KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu")
-    with torch.inference_mode():
-        runner.capture(scratch.cache)
-    return runner, KVPool(model.cfg, 2048, PAGE, torch.float32, "cpu")
+    runners = Runners(model or tiny_model(), buckets)
+    return runners, KVPool(runners.cfg, 2048, PAGE, torch.float32, "cpu")
 
 
 def eager_logits(model, chunks, pool):
@@ -76,7 +75,8 @@ def test_padding_never_reaches_outputs_or_kv(setup):
     chunks = [chunk(pool, ids) for ids in prompts(runner.cfg.vocab_size, [5, 4], seed=3)]
     before = [k.clone() for k in pool.cache.k]
     with torch.inference_mode():
-        for buf in (runner.bufs.residual, runner.bufs.hidden, runner.bufs.arena):
+        bufs = runner.breakable.bufs
+        for buf in (bufs.residual, bufs.hidden, bufs.arena):
             buf.fill_(float("nan"))  # stale garbage in every padding row
         logits, batch, mode = runner.prefill(chunks, pool.cache)
     assert mode == "graph" and batch.padded_tokens == 16 and batch.num_tokens == 9
@@ -91,29 +91,27 @@ def test_padding_never_reaches_outputs_or_kv(setup):
         torch.testing.assert_close(logits[s:e], r, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("dp", [None, DPGroup()], ids=["plain", "dp1"])
-def test_mlp_in_row_chunks_matches_eager(dp, monkeypatch):
-    """2F (320) much wider than the break (96): the arena holds 16 MLP rows, so buckets 24, 40
-    and 64 run the MLP in 2, 3 and 4 chunks, written over their own input rows."""
+def test_mlp_in_row_chunks_matches_eager(monkeypatch):
+    """2F (320) much wider than the attention buffers (96): the arena holds 16 MLP rows, so
+    buckets 24, 40 and 64 run the MLP in 2, 3 and 4 chunks, written over their own input rows."""
     from service.engine import buffers
-    from service.engine.runner import PrefillRunner
 
     monkeypatch.setattr(buffers, "MLP_MIN_ROWS", 16)  # tiny model: chunks of 16 rows
 
     model = tiny_model(seed=5, intermediate_size=160)
-    runner = PrefillRunner(model, Buckets((8, 16, 24, 40, 64)), SegmentBackend(), dp=dp)
-    with torch.inference_mode():
-        runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
-    assert runner.bufs.mlp_rows == 16 and runner.bufs.arena.numel() == 64 * 96
+    runners = Runners(model, (8, 16, 24, 40, 64))
+    bufs = runners.breakable.bufs
+    assert bufs.mlp_rows == 16 and bufs.arena.numel() == 64 * 96
     pool = KVPool(model.cfg, 2048, PAGE, torch.float32, "cpu")
     for n, lengths in ((8, [3, 4]), (16, [16]), (24, [9, 11]), (40, [17, 5, 12]), (64, [30, 34])):
         chunks = [chunk(pool, ids) for ids in prompts(model.cfg.vocab_size, lengths, seed=n)]
-        batch = build_batch(chunks, pool.cache, "cpu", pad_to=n)
-        assert runner.bufs.views(n).mlp_scratch.shape[0] == min(n, 16)
+        assert bufs.views(n).mlp_scratch.shape[0] == min(n, 16)
+        ref = eager_logits(model, chunks, pool)
         with torch.inference_mode():
-            graph = runner.forward_graph(batch).clone()
-            eager = runner.forward_eager(batch)
-        torch.testing.assert_close(graph, eager, atol=ATOL, rtol=0)
+            logits, batch, mode = runners.prefill(chunks, pool.cache)
+        assert mode == "graph" and batch.padded_tokens == n
+        for (s, e), r in zip(batch.logits_rows, ref):
+            torch.testing.assert_close(logits[s:e], r, atol=ATOL, rtol=0)
         for c in chunks:
             pool.allocator.free(list(c.pages))
 
@@ -140,7 +138,7 @@ def test_eager_when_over_the_largest_bucket(tokens, mode):
     ref = eager_logits(runner.model, chunks, pool)
     with torch.inference_mode():
         logits, _, got = runner.prefill(chunks, pool.cache)
-    assert got == mode and runner.forward_counts[mode] == 1
+    assert got == mode and runner.counts[mode] == 1
     torch.testing.assert_close(logits, ref[0], atol=ATOL, rtol=0)
 
 
@@ -152,7 +150,7 @@ def test_eager_when_padding_would_more_than_double():
             _, batch, got = runner.prefill(chunks, pool.cache)
         assert got == mode, n
         assert batch.padded_tokens == (runner.pad_to_bucket(n) if mode == "graph" else n)
-    assert runner.forward_counts == {"graph": 2, "eager": 2}
+    assert runner.counts == {"graph": 2, "eager": 2}
 
 
 @pytest.mark.parametrize("chunk_tokens", [16, 7])
@@ -188,6 +186,7 @@ def test_core_cpu_path_reports_and_forwards(caplog):
     assert "engine ready on cpu" in caplog.text and "KV_CACHE_BYTES" in caplog.text
     m = core.memory
     assert m.path == "cpu" and m.kv_bytes == core.pool.nbytes <= engine_cfg().kv_cache_bytes
+    assert [r.name for r in core.runners] == ["eager"] and core.graphs is None
     assert m.kv_tokens == core.pool.capacity_tokens > 0 and m.weights_bytes > 0
     chunks = [chunk(core.pool, ids) for ids in prompts(97, [3, 9], seed=7)]
     chunks[1] = dataclasses.replace(chunks[1], all_logits=True)
@@ -203,12 +202,8 @@ def test_staged_batches_reuse_the_bound_break_and_still_match_eager(monkeypatch)
     break bound for it; it must still read the new batch's metadata and tokens. Shapes that
     differ in anything the launch depends on (live tokens, longest prompt, longest prefix)
     bind their own."""
-    from service.engine.runner import PrefillRunner
-
     model = tiny_model(seed=4)
-    runner = PrefillRunner(model, Buckets((16, 32)), SegmentBackend(), staging=True)
-    with torch.inference_mode():
-        runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
+    runner = Runners(model, (16, 32), staging=True)
     pool = KVPool(model.cfg, 2048, PAGE, torch.float32, "cpu")
     binds = []
     plan = type(model.attn).plan
@@ -251,5 +246,5 @@ def test_warm_up_batches_fit_and_write_only_the_dummy_page():
     assert len(warm_up_batches(8, 16, 8192, tma)) == 2  # so does the context
     core = EngineCore(engine_cfg(), loaded=tiny_loaded())
     core.warm_up()
-    assert core.runner.forward_counts == {"graph": 0, "eager": 0}
+    assert core.forward_counts == {"graph": 0, "eager": 0}
     core.close()

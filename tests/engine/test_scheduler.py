@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from service.engine.core import ForwardOutput
+from service.engine.interface import EngineInfo
 from service.engine.kv_pool import KVPoolExhausted, PageAllocator
 from service.engine.sampling import SamplingParams, last_rows
-from service.engine.scheduler import ForwardFailed, NotReady, QueueFull, Request, Scheduler
+from service.engine.scheduler import ForwardFailed, NotReady, Prompt, QueueFull, Scheduler
 
 V = 64
 
@@ -52,6 +53,11 @@ class FakeEngine:
             out.append(logits)
         return ForwardOutput(out, last_rows(torch.cat([x[-1:] for x in out])), "eager", 0.001)
 
+    def info(self) -> EngineInfo:
+        pool = self.pool
+        return EngineInfo("fake", "llama", V, 4096, pool.page_size,
+                          pool.allocator.capacity * pool.page_size, None)
+
     def close(self) -> None:
         self.closed = True
 
@@ -69,8 +75,8 @@ async def started(engine: FakeEngine, **kw) -> Scheduler:
     return s
 
 
-def req(ids, **params) -> Request:
-    return Request(list(ids), SamplingParams(**params), asyncio.get_running_loop())
+def req(ids, **params) -> Prompt:
+    return Prompt(list(ids), SamplingParams(**params), asyncio.get_running_loop())
 
 
 async def until(cond, what: str) -> None:

@@ -102,21 +102,19 @@ class AttnBatch:
             T - pad,
         )
 
-    def args(self, dtype=None):
-        """Positional args of extend_attention; float tensors cast to `dtype` if given."""
+    def meta(self, **facts):
+        """The batch's VarlenBatch; `facts`: max_prefix_len, num_tokens."""
+        from kernels.varlen import VarlenBatch
+
+        return VarlenBatch(self.cu_seqlens_q, self.prefix_lens, self.page_table, self.page_size,
+                           self.max_q_len, **facts)
+
+    def args(self, dtype=None, **facts):
+        """Positional args of extend_attention, (q, k, v, k_cache, v_cache, batch); float tensors
+        cast to `dtype` if given."""
         cast = (lambda x: x.to(dtype)) if dtype is not None else (lambda x: x)
-        return (
-            cast(self.q),
-            cast(self.k),
-            cast(self.v),
-            cast(self.k_cache),
-            cast(self.v_cache),
-            self.cu_seqlens_q,
-            self.prefix_lens,
-            self.page_table,
-            self.page_size,
-            self.max_q_len,
-        )
+        return (*(cast(x) for x in (self.q, self.k, self.v, self.k_cache, self.v_cache)),
+                self.meta(**facts))
 
     def poisoned_out(self):
         return torch.full_like(self.q, float("nan"), memory_format=torch.contiguous_format)

@@ -1,6 +1,7 @@
 """extend_attention (Triton) against extend_attention_ref on awkward shapes; ref against math."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,9 +9,12 @@ import torch
 from kernels.extend_attention import (
     INTERPRETER_CONFIG,
     AttnConfig,
+    VarlenBatch,
     extend_attention,
     extend_attention_ref,
+    prepare_extend_attention,
 )
+from kernels.kv_store import store_kv_ref
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -34,22 +38,15 @@ def _config(device):
     return INTERPRETER_CONFIG if device == "cpu" else None
 
 
-def _run_and_check(batch, dtype, device, close, config=None, return_lse=False,
-                   max_prefix_len=None):
+def _run_and_check(batch, dtype, device, close, config=None, max_prefix_len=None):
     out = batch.poisoned_out()
-    res = extend_attention(
-        *batch.args(), return_lse=return_lse, out=out, config=config or _config(device),
-        max_prefix_len=max_prefix_len,
-    )
-    ref = extend_attention_ref(*batch.args(torch.float32), return_lse=return_lse)
-    o, r = (res[0], ref[0]) if return_lse else (res, ref)
+    o = extend_attention(*batch.args(max_prefix_len=max_prefix_len), out=out,
+                         config=config or _config(device))
+    ref = extend_attention_ref(*batch.args(torch.float32))
     n = batch.n_valid
     assert o.data_ptr() == out.data_ptr()
-    close(o[:n].float(), r[:n], dtype, "o")
+    close(o[:n].float(), ref[:n], dtype, "o")
     assert torch.isnan(o[n:]).all(), "padded tail rows must be left untouched"
-    if return_lse:
-        close(res[1][:n], ref[1][:n], torch.float32, "lse")
-    return res
 
 
 @pytest.mark.parametrize("case", SINGLE_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -64,10 +61,10 @@ def test_single_sequence(case, device, close, attn_batch):
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_mixed_batch_one_launch(dtype, device, close, attn_batch):
-    """Different lengths and prefixes, an empty sequence, scattered pages, a padded tail, lse."""
+    """Different lengths and prefixes, an empty sequence, scattered pages, a padded tail."""
     qlens, plens = [1, 0, 63, 65, 200, 7], [0, 5, 17, 64, 0, 33]
     batch = attn_batch(qlens, plens, 16, 6, 2, 64, dtype, device, pad=5)
-    _run_and_check(batch, dtype, device, close, return_lse=True)
+    _run_and_check(batch, dtype, device, close)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +80,7 @@ def test_config_variants(config, device, close, attn_batch):
     """BLOCK_M > BLOCK_N; TMA loads of the new tokens; the heads-first grid without page-id
     prefetch."""
     batch = attn_batch([40, 7, 70], [16, 9, 0], 16, 4, 1, 64, BF16, device, pad=3)
-    _run_and_check(batch, BF16, device, close, config=config, return_lse=True)
+    _run_and_check(batch, BF16, device, close, config=config)
 
 
 def test_contiguous_inputs_and_explicit_scale(device, close, relerr, attn_batch):
@@ -95,11 +92,12 @@ def test_contiguous_inputs_and_explicit_scale(device, close, relerr, attn_batch)
 
 
 def test_ref_matches_naive_math(attn_batch):
-    """The oracle itself, in float64 against dense per-head softmax written out by hand."""
+    """The oracle itself, in float64 against dense per-head softmax written out by hand, with
+    query chunks that split sequences (3) and that do not (16)."""
     qlens, plens, ps, H, KVH, D = [5, 9], [7, 0], 4, 6, 2, 16
     batch = attn_batch(qlens, plens, ps, H, KVH, D, torch.float64, "cpu", fused=False)
-    o, lse = extend_attention_ref(*batch.args(), return_lse=True, chunk_size=3)
-    o_sdpa = extend_attention_ref(*batch.args(), chunk_size=4)
+    o = extend_attention_ref(*batch.args(), chunk_size=3)
+    o_whole = extend_attention_ref(*batch.args(), chunk_size=16)
     start = 0
     for b, (n, P) in enumerate(zip(qlens, plens)):
         slots = [int(batch.page_table[b, j // ps]) * ps + j % ps for j in range(P)]
@@ -109,10 +107,9 @@ def test_ref_matches_naive_math(attn_batch):
             for h in range(H):
                 kv = h // (H // KVH)
                 s = keys[: P + i + 1, kv] @ batch.q[start + i, h] / math.sqrt(D)
-                assert torch.allclose(lse[start + i, h].double(), torch.logsumexp(s, 0))
                 expect = torch.softmax(s, 0) @ vals[: P + i + 1, kv]
                 assert torch.allclose(o[start + i, h], expect)
-                assert torch.allclose(o_sdpa[start + i, h], expect)
+                assert torch.allclose(o_whole[start + i, h], expect)
         start += n
 
 
@@ -125,21 +122,17 @@ def test_no_tokens_is_a_no_op(device, attn_batch):
 
 def test_launcher_asserts(device, attn_batch):
     batch = attn_batch([5], [0], 16, 2, 2, 64, F32, device, fused=False)
-    q, k, v, kc, vc, cu, pl, pt, ps, mq = batch.args()
+    q, k, v, kc, vc, vb = batch.args()
     with pytest.raises(AssertionError, match="dtype"):
-        extend_attention(q.to(torch.int32), k, v, kc, vc, cu, pl, pt, ps, mq)
+        extend_attention(q.to(torch.int32), k, v, kc, vc, vb)
     with pytest.raises(AssertionError, match="k is"):
-        extend_attention(q, k.to(BF16), v, kc, vc, cu, pl, pt, ps, mq)
+        extend_attention(q, k.to(BF16), v, kc, vc, vb)
     with pytest.raises(AssertionError, match="contiguous"):
-        extend_attention(
-            q.transpose(1, 2).contiguous().transpose(1, 2), k, v, kc, vc, cu, pl, pt, ps, mq
-        )
+        extend_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, kc, vc, vb)
     with pytest.raises(AssertionError, match="int32"):
-        extend_attention(q, k, v, kc, vc, cu.long(), pl, pt, ps, mq)
+        extend_attention(q, k, v, kc, vc, replace(vb, cu_seqlens_q=vb.cu_seqlens_q.long()))
     with pytest.raises(AssertionError, match="multiple"):
-        extend_attention(
-            q.repeat(1, 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1), v, kc, vc, cu, pl, pt, ps, mq
-        )
+        extend_attention(q.repeat(1, 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1), v, kc, vc, vb)
 
 
 @pytest.mark.parametrize("H,KVH,D,dtype", [(4, 4, 64, F32), (7, 1, 64, BF16), (6, 2, 80, F32),
@@ -147,9 +140,6 @@ def test_launcher_asserts(device, attn_batch):
 def test_fused_kv_store(H, KVH, D, dtype, device, close, attn_batch):
     """store_slots: the same launch writes every new row's K and V to its slot (as store_kv_ref
     does) and the attention output is unchanged; slots of the prefix are never touched."""
-    from kernels.extend_attention import prepare_extend_attention
-    from kernels.kv_store import store_kv_ref
-
     qlens, plens = [1, 7, 65, 33], [0, 23, 37, 16]
     batch = attn_batch(qlens, plens, 16, H, KVH, D, dtype, device)
     n = batch.n_valid
@@ -160,9 +150,9 @@ def test_fused_kv_store(H, KVH, D, dtype, device, close, attn_batch):
     want_k, want_v = batch.k_cache.clone(), batch.v_cache.clone()
     store_kv_ref(batch.k[:n], batch.v[:n], want_k, want_v, slots)
     out = batch.poisoned_out()
-    q, k, v, kc, vc, *rest = batch.args()
-    launch, _, _ = prepare_extend_attention(q, k, v, kc, vc, *rest, out=out,
-                                            config=_config(device), store_slots=slots)
+    q, k, v, kc, vc, vb = batch.args()
+    launch, _ = prepare_extend_attention(q, k, v, kc, vc, vb, out=out, config=_config(device),
+                                         store_slots=slots)
     launch(kc, vc)
     assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0)), "k cache"
     assert torch.equal(vc.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v cache"
@@ -175,13 +165,11 @@ def test_cache_addresses_read_at_launch(H, KVH, D, dtype, device, close, attn_ba
     """cache_table: the kernel reads the caches' base addresses from memory at launch (what a
     captured graph replays), so rewriting the table moves it to another pool; a batch padded
     with empty sequences and a wider page table (a graph's fixed metadata shapes) is exact."""
-    from kernels.extend_attention import prepare_extend_attention
-    from kernels.kv_store import store_kv_ref
-
     qlens, plens = [7, 65, 1], [23, 0, 16]
     batch = attn_batch(qlens, plens, 16, H, KVH, D, dtype, device)
     n = batch.n_valid
-    q, k, v, kc, vc, cu, pl, pt, ps, mq = batch.args()
+    q, k, v, kc, vc, vb = batch.args()
+    cu, pl, pt = vb.cu_seqlens_q, vb.prefix_lens, vb.page_table
     pad = 3  # empty sequences after the live ones, and extra page-table columns
     cu_p = torch.cat([cu, cu[-1:].repeat(pad)])
     pl_p = torch.cat([pl, pl.new_zeros(pad)])
@@ -196,15 +184,16 @@ def test_cache_addresses_read_at_launch(H, KVH, D, dtype, device, close, attn_ba
     kc.fill_(float("nan"))  # the bound pool: reading it would poison the output
     table = torch.tensor([[kc.data_ptr()], [vc.data_ptr()]], dtype=torch.int64, device=device)
     out = batch.poisoned_out()
-    launch, _, _ = prepare_extend_attention(
-        q, k, v, kc, vc, cu_p, pl_p, pt_p, ps, q.shape[0], out=out, config=_config(device),
-        store_slots=slots, cache_table=(table[0], table[1]))
+    padded = VarlenBatch(cu_p, pl_p, pt_p, vb.page_size, q.shape[0])
+    launch, _ = prepare_extend_attention(
+        q, k, v, kc, vc, padded, out=out, config=_config(device), store_slots=slots,
+        cache_table=(table[0], table[1]))
     want_k, want_v = other_k.clone(), other_v.clone()
     store_kv_ref(k[:n], v[:n], want_k, want_v, slots[:n])
     table.copy_(torch.tensor([[other_k.data_ptr()], [other_v.data_ptr()]]))
     launch(table[0], table[1])
     assert torch.equal(other_k.nan_to_num(7.0), want_k.nan_to_num(7.0)), "k stored in the new pool"
     assert torch.equal(other_v.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v stored in the new pool"
-    ref = extend_attention_ref(q, k, v, other_k, other_v, cu, pl, pt, ps, mq)
+    ref = extend_attention_ref(q, k, v, other_k, other_v, vb)
     close(out[:n].float(), ref[:n].float(), dtype, "o")
     assert torch.isnan(out[n:]).all(), "padded rows untouched"

@@ -54,13 +54,37 @@ def test_rope_and_store_kv_dispatch(close):
 
 def test_extend_attention_dispatch(close, attn_batch):
     batch = attn_batch([5, 20], [3, 17], 16, 4, 2, 64, torch.float32, "cpu", pad=2)
-    ref_o, ref_lse = ops.extend_attention(*batch.args(), return_lse=True)
-    o, lse = ops.extend_attention(*batch.args(), return_lse=True, use_triton=True)
+    ref = ops.extend_attention(*batch.args())  # CPU tensors: the reference
+    out = batch.poisoned_out()
+    o = ops.extend_attention(*batch.args(max_prefix_len=17), out=out, use_triton=True)
     n = batch.n_valid
-    close(o[:n], ref_o[:n], torch.float32, "o")
-    close(lse[:n], ref_lse[:n], torch.float32, "lse")
-    plain = ops.extend_attention(*batch.args(), out=batch.poisoned_out(), use_triton=True)
-    close(plain[:n], extend_attention_ref(*batch.args())[:n], torch.float32, "o, no lse")
+    assert o.data_ptr() == out.data_ptr()
+    close(o[:n], ref[:n], torch.float32, "o")
+    close(ref[:n], extend_attention_ref(*batch.args())[:n], torch.float32, "ops ref")
+
+
+def test_traced_code_calls_the_custom_ops(close, attn_batch, monkeypatch):
+    """Under torch.compile the dispatcher calls torch.ops.prefill.* (the VarlenBatch unpacked
+    into tensors for extend_attention); here with is_compiling forced, on the interpreter."""
+    from torch.library import wrap_triton
+
+    from kernels import extend_attention as attn
+
+    seen = []
+    real = attn.extend_attention  # what the op's body calls, with wrap_triton
+    monkeypatch.setattr(attn, "extend_attention",
+                        lambda *a, **kw: (seen.append((a[5], kw["wrap"])), real(*a, **kw))[1])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    batch = attn_batch([9, 30], [5, 0], 16, 4, 2, 64, torch.float32, "cpu", pad=1)
+    o = ops.extend_attention(*batch.args(max_prefix_len=5), out=batch.poisoned_out(),
+                             use_triton=True)
+    n = batch.n_valid
+    (vb, wrap), = seen
+    assert wrap is wrap_triton and vb.max_prefix_len == 5 and vb.max_q_len == batch.max_q_len
+    close(o[:n], extend_attention_ref(*batch.args())[:n], torch.float32, "attention op")
+    x, w = torch.randn(5, 96), torch.randn(96)
+    close(ops.rms_norm(x, w, 1e-6, use_triton=True), ops.rms_norm(x, w, 1e-6), torch.float32,
+          "rms_norm op")
 
 
 def test_custom_ops_run_the_kernels(close, attn_batch):
@@ -70,12 +94,12 @@ def test_custom_ops_run_the_kernels(close, attn_batch):
     torch.ops.prefill.rms_norm(x, w, 1e-6, out)
     close(out, ops.rms_norm(x, w, 1e-6), torch.float32, "rms_norm op")
     batch = attn_batch([9, 30], [5, 0], 16, 4, 2, 64, torch.float32, "cpu", pad=1)
-    o, lse = batch.poisoned_out(), torch.full((batch.T, 4), float("nan"))
-    torch.ops.prefill.extend_attention(*batch.args(), 0.125, o, lse)
-    ref_o, ref_lse = extend_attention_ref(*batch.args(), 0.125, return_lse=True)
+    o = batch.poisoned_out()
+    torch.ops.prefill.extend_attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache,
+                                       batch.cu_seqlens_q, batch.prefix_lens, batch.page_table,
+                                       batch.page_size, batch.max_q_len, 0.125, o)
     n = batch.n_valid
-    close(o[:n], ref_o[:n], torch.float32, "attention op")
-    close(lse[:n], ref_lse[:n], torch.float32, "attention op lse")
+    close(o[:n], extend_attention_ref(*batch.args(), 0.125)[:n], torch.float32, "attention op")
 
 
 def test_custom_ops_registered_with_fakes():
@@ -86,6 +110,7 @@ def test_custom_ops_registered_with_fakes():
         "silu_and_mul",
         "store_kv",
         "extend_attention",
+        "logits_summary",
     ):
         assert hasattr(torch.ops.prefill, name), name
     with FakeTensorMode():  # shape propagation without running a kernel

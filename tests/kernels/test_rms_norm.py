@@ -47,27 +47,3 @@ def test_asserts(device):
         rms_norm(x.to(torch.int32), torch.ones(64, device=device), 1e-6)
     with pytest.raises(AssertionError, match="weight"):
         rms_norm(x, torch.ones(63, device=device), 1e-6)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_norm_weight_row_picked_by_a_device_layer(fused, device, close):
-    T, N, L, dtype = 5, 96, 4, torch.bfloat16
-    x, res = torch.randn(T, N).to(dtype), torch.randn(T, N).to(dtype)
-    stack = (1 + 0.1 * torch.randn(L, N)).to(dtype)
-    idx = torch.tensor([1], dtype=torch.int32)
-    for offset in (0, 2):
-        w = stack[1 + offset]
-        if fused:
-            xd, rd = x.to(device, copy=True), res.to(device, copy=True)
-            fused_add_rms_norm(xd, rd, stack.to(device), 1e-5, layer=idx.to(device),
-                               offset=offset)
-            want, _ = fused_add_rms_norm_ref(x.clone(), res.clone(), w, 1e-5)
-            got = xd
-            ref, _ = fused_add_rms_norm_ref(x.clone(), res.clone(), stack, 1e-5, idx, offset)
-        else:
-            got = rms_norm(x.to(device), stack.to(device), 1e-5, layer=idx.to(device),
-                           offset=offset)
-            want = rms_norm_ref(x, w, 1e-5)
-            ref = rms_norm_ref(x, stack, 1e-5, layer=idx, offset=offset)
-        close(got.cpu().float(), want.float(), dtype, f"offset {offset}")
-        assert torch.equal(ref, want), "the reference must pick the same row"

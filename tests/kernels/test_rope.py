@@ -52,12 +52,11 @@ def test_apply_rope_fused_views(T, H, KVH, D, dtype, pos_dtype, device, close):
         close(ref_q.double(), torch.cat([z.real, z.imag], -1), dtype, "complex rotation")
 
 
-@pytest.mark.parametrize("layered", [False, True])
 @pytest.mark.parametrize("T,H,KVH,D,hidden,dtype,bias", [
     (7, 9, 3, 64, 576, torch.bfloat16, False),
     (5, 6, 2, 80, 100, torch.float32, True),
 ])
-def test_apply_rope_folded_norm(T, H, KVH, D, hidden, dtype, bias, layered, device, close):
+def test_apply_rope_folded_norm(T, H, KVH, D, hidden, dtype, bias, device, close):
     """norm_rows: q, k, v scaled by each token's 1/rms of the residual row, bias added, then q
     and k rotated: the QKV of rms_norm(h) * g computed from h @ (W * g)^T."""
     eps = 1e-6
@@ -66,10 +65,7 @@ def test_apply_rope_folded_norm(T, H, KVH, D, hidden, dtype, bias, layered, devi
     h = (3 * torch.randn(T, hidden)).to(dtype)
     g = (1 + 0.5 * torch.randn(hidden)).to(dtype)
     w = torch.randn(width, hidden).to(dtype) / hidden**0.5
-    L = 3
-    b = torch.randn(L, width).to(dtype) if bias else None
-    layer = torch.tensor([1], dtype=torch.int32)
-    b_used = b[2] if bias else None
+    b_used = torch.randn(width).to(dtype) if bias else None
     positions = torch.randint(0, 512, (T,))
     raw = (h.float() @ (w.float() * g.float()).t()).to(dtype)
     # the unfolded chain in float64: norm, projection (+ bias), rotation of q and k
@@ -87,7 +83,7 @@ def test_apply_rope_folded_norm(T, H, KVH, D, hidden, dtype, bias, layered, devi
 
     kw = dict(eps=eps)
     if bias:
-        kw.update(bias=b, layer=layer, offset=1) if layered else kw.update(bias=b_used)
+        kw.update(bias=b_used)
     dev = raw.to(device, copy=True)
     q, k, v = views(dev)
     kd = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}

@@ -21,8 +21,8 @@ def _meta(q_lens, prefix_lens, kvh=2, d=16, page_size=4):
 
 def test_the_seam_passes_prefix_and_row_count_unless_switched_off(monkeypatch):
     seen = []
-    monkeypatch.setattr(ops, "extend_attention",
-                        lambda *a, **kw: seen.append((kw["max_prefix_len"], kw["num_tokens"])))
+    monkeypatch.setattr(ops, "extend_attention", lambda q, k, v, kc, vc, batch, **kw: seen.append(
+        (batch.max_prefix_len, batch.num_tokens)))
     backend = AttentionBackend("torch", 4, 2, 16)
     qkv = torch.randn(7, (4 + 2 * 2) * 16)
     backend(0, qkv, _meta([3, 4], [0, 0]))

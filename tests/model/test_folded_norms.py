@@ -1,5 +1,5 @@
 """Folded norms (LlamaModel.fold_norms): the same forward as the unfolded model, eagerly, on the
-Triton kernels (CPU: the interpreter), and through the graph runner's breakable, shared-middle
+Triton kernels (CPU: the interpreter), and through the graph runner's breakable
 and full graphs, whose segments then add into the residual and run no norm kernel but the
 final one."""
 
@@ -12,14 +12,11 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.buckets import Buckets
 from service.engine.dp import DPGroup
-from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
-from service.engine.runner import FullGraphSpec, PrefillRunner
-from service.model.llama import swiglu
-from service.model.loader import random_model
-from tests.engine.helpers import PAGE, chunk, prompts, tiny_cfg
+from service.model.layers import swiglu
+from service.model.loader import LoadedModel, random_model
+from tests.engine.helpers import PAGE, Runners, chunk, engine_cfg, prompts, tiny_cfg
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -100,26 +97,23 @@ def test_folded_swiglu_adds_into_its_input_in_chunks():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def graphed(shared: int, full: int, attn: str = "torch", triton: bool = False):
+def graphed(full: int, triton: bool = False):
     def run(model, chunks, pool, b):
         if triton:
             model.set_kernels(True)
-        runner = PrefillRunner(model, Buckets((8, 16, 32)), SegmentBackend(),
-                               shared_max_tokens=shared, fold_norms=True,
-                               full=FullGraphSpec(full, 3, 40) if full else None)
-        runner.capture(KVPool(model.cfg, PAGE, PAGE, torch.float32, "cpu").cache)
+        model.fold_norms()  # as the engine does before building its runners
+        runner = Runners(model, (8, 16, 32), full, seqs=3, pages=40)
         logits, _, mode = runner.prefill(chunks, pool.cache)
-        assert mode == "graph" and model.norms_folded
+        assert mode == "graph"
         return logits, runner.full_forwards
     return run
 
 
-@pytest.mark.parametrize("shared, full", [(0, 0), (32, 0), (0, 32)],
-                         ids=["breakable", "shared-middle", "full"])
-def test_runner_folds_and_its_graphs_match_the_unfolded_model(shared, full):
+@pytest.mark.parametrize("full", [0, 32], ids=["breakable", "full"])
+def test_runner_folds_and_its_graphs_match_the_unfolded_model(full):
     model = spread_model("qwen2", layers=4)
     want, _ = forward(model, eager, [6, 5])
-    (got, fulls), _ = forward(copy.deepcopy(model), graphed(shared, full), [6, 5])
+    (got, fulls), _ = forward(copy.deepcopy(model), graphed(full), [6, 5])
     assert fulls == (1 if full else 0)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -127,27 +121,29 @@ def test_runner_folds_and_its_graphs_match_the_unfolded_model(shared, full):
 @pytest.mark.skipif(not INTERPRET, reason="CPU check through Triton's interpreter")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_folded_triton_kernels_match_the_unfolded_reference():
-    """RoPE's and SiLU's folded-norm paths and the indexed GEMM's accumulate, in the shared
-    middle segment (layer-indexed QKV bias), on the Triton kernels."""
+    """RoPE's and SiLU's folded-norm paths (QKV bias added after the norm scale) on the Triton
+    kernels, through the breakable graphs."""
     model = spread_model("qwen2", layers=4)
     want, _ = forward(model, eager, [6, 5])
     tri = copy.deepcopy(model)
     tri.attn = type(model.attn)("triton", model.cfg.num_heads, model.cfg.num_kv_heads,
                                 model.cfg.head_dim)
-    (got, _), _ = forward(tri, graphed(32, 0, triton=True), [6, 5])
+    (got, _), _ = forward(tri, graphed(0, triton=True), [6, 5])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_fold_is_skipped_for_fp16_and_data_parallel():
-    half = spread_model(dtype=torch.float16)
-    PrefillRunner(half, Buckets(()), None, fold_norms=True)
-    assert not half.norms_folded
-    dp = spread_model()
-    PrefillRunner(dp, Buckets(()), None, dp=DPGroup(), fold_norms=True)
-    assert not dp.norms_folded
-    plain = spread_model()
-    PrefillRunner(plain, Buckets(()), None)
-    assert not plain.norms_folded  # off unless asked (the engine asks: FOLD_NORMS)
+def test_the_engine_folds_except_for_fp16_and_data_parallel():
+    from pathlib import Path
+
+    from service.engine.core import EngineCore
+
+    def core(model, **kw):
+        loaded = LoadedModel(model, None, model.cfg, Path("spread"), 0.0)
+        return EngineCore(engine_cfg(**kw.pop("cfg", {})), loaded=loaded, **kw).model
+
+    assert core(spread_model()).norms_folded
+    assert not core(spread_model(dtype=torch.float16), cfg=dict(dtype="float16")).norms_folded
+    assert not core(spread_model(), dp_group=DPGroup()).norms_folded
 
 
 def test_fold_norms_setting_reaches_the_engine():
@@ -179,5 +175,5 @@ def test_large_batches_keep_the_norm_kernels_with_unit_weights(monkeypatch):
         want, _ = forward(model, eager, lengths)
         got, _ = forward(folded, eager, lengths)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        (graph, _), _ = forward(copy.deepcopy(model), graphed(0, 0), lengths)
+        (graph, _), _ = forward(copy.deepcopy(model), graphed(0), lengths)
         torch.testing.assert_close(graph, want, atol=1e-4, rtol=1e-4)

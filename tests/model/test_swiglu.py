@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from service.model.llama import mlp_row_chunks, swiglu
+from service.model.layers import mlp_row_chunks, swiglu
 
 CAP = 32
 D, F = 24, 80

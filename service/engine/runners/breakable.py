@@ -1,0 +1,146 @@
+"""Breakable CUDA graphs: every bucket's dense steps captured into one pool, attention run
+eagerly between them on the live batch.
+
+A forward pads the batch to its bucket, copies ids and positions into the static buffers and
+replays the bucket's steps (service.engine.graph); each attention step is ONE launch (the KV
+store fused in) on the live, unpadded rows, bound once per batch. The LM head then runs eagerly
+on the rows whose logits are wanted. Padding rows are never attended to, never stored and never
+read by the LM head.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from service.engine.batch import BatchStaging, PrefillBatch, build_batch
+from service.engine.buckets import Buckets
+from service.engine.buffers import StaticBuffers
+from service.engine.full_buffers import capture_chunks
+from service.engine.graph import SegmentBackend
+from service.engine.runners import Chunks, gc_paused, on_stream
+from service.model.attention import BreakPlan
+from service.model.llama import Activations, LlamaModel
+from service.model.meta import KVCache
+
+
+class BreakableRunner:
+    name = "breakable"
+    MAX_PLANS = 64  # attention launches kept for reuse; past this the cache starts over
+
+    def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend,
+                 stream: torch.cuda.Stream | None = None, staging: BatchStaging | None = None):
+        self.model, self.cfg, self.buckets, self.backend = model, model.cfg, buckets, backend
+        self.stream, self.staging = stream, staging
+        w = model.embed_tokens.weight
+        self.device, self.dtype = w.device, w.dtype
+        self.bufs: StaticBuffers | None = None
+        self._plans: dict[tuple, tuple] = {}
+
+    # -- capture --------------------------------------------------------------------------------
+    def allocate(self) -> StaticBuffers:
+        mlp_width = self.model.layers[0].mlp.gate_up_proj.weight.shape[0] if len(
+            self.model.layers) else 1
+        return StaticBuffers.allocate(self.cfg, self.buckets.largest, self.dtype, self.device,
+                                      mlp_width)
+
+    @torch.inference_mode()
+    def capture(self, kv: KVCache, on_bucket: Callable[[int, int], None] | None = None) -> None:
+        """Allocate the static buffers, then capture every bucket, largest first (later, smaller
+        captures carve the shared pool's freed blocks). `kv`: a scratch pool whose dummy page
+        takes every capture row's KV."""
+        if not len(self.buckets):
+            return
+        with on_stream(self.stream), gc_paused():
+            if self.bufs is None:
+                self._plans.clear()
+                self.bufs = self.allocate()
+            for k, n in enumerate(self.buckets.capture_order()):
+                self._capture_bucket(n, kv)
+                if on_bucket is not None:
+                    on_bucket(k, n)
+
+    def capture_batch(self, n: int, kv: KVCache) -> PrefillBatch:
+        """n tokens whose KV all goes to the dummy page: no prefix is read."""
+        return build_batch(capture_chunks(n, self.model.max_positions, kv.page_size), kv,
+                           self.device)
+
+    def _capture_bucket(self, n: int, kv: KVCache) -> None:
+        v = self.bufs.views(n)
+        batch = self.capture_batch(n, kv)
+        v.input_ids.copy_(batch.input_ids)
+        v.positions.copy_(batch.positions)
+        keep = self.capture_inputs(n, v)
+        self.backend.capture(n, functools.partial(self.model.run, v), self._plan(batch, v),
+                             keep=keep)
+
+    def capture_inputs(self, n: int, v: Activations) -> object:
+        """Capture-only tensors bucket n's graphs record (kept alive with them); none here."""
+        return None
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(k for k in self.backend.keys if isinstance(k, int)))
+
+    @property
+    def static_bytes(self) -> int:
+        return self.bufs.nbytes if self.bufs is not None else 0
+
+    # -- forward --------------------------------------------------------------------------------
+    def can_run(self, chunks: Chunks, tokens: int) -> bool:
+        return (self.buckets.use_graph(tokens)
+                and self.backend.has(self.buckets.pad_to_bucket(tokens)))
+
+    @torch.inference_mode()
+    def run(self, chunks: Chunks, kv: KVCache) -> tuple[torch.Tensor, PrefillBatch, str]:
+        """NOTE: the logits are allocated on the runner's stream (see EagerRunner.run)."""
+        tokens = sum(c.num_tokens for c in chunks)
+        with on_stream(self.stream):
+            batch = build_batch(chunks, kv, self.device, staging=self.staging,
+                                pad_to=self.buckets.pad_to_bucket(tokens))
+            return self.forward(batch), batch, "graph"
+
+    def forward(self, batch: PrefillBatch) -> torch.Tensor:
+        """Replay the batch's bucket through the static buffers; logits of its wanted rows."""
+        n = batch.padded_tokens
+        v = self.bufs.views(n)
+        v.input_ids.copy_(batch.input_ids)
+        v.positions.copy_(batch.positions)
+        self.backend.replay(n, self._attend(batch, v))
+        return self.model.logits(v.hidden, batch.meta)
+
+    def _attend(self, batch: PrefillBatch, v: Activations) -> Callable[[int], None]:
+        """The live batch's attention for every layer. NOTE: bound at the first layer, not
+        before the replay: the GPU starts on the first dense step while the host binds."""
+        plan: list[BreakPlan] = []
+
+        def attend(layer: int) -> None:
+            if not plan:
+                plan.append(self._plan(batch, v))
+            plan[0](layer)
+        return attend
+
+    def _plan(self, batch: PrefillBatch, v: Activations) -> BreakPlan:
+        """The batch's attention, bound once for every layer; reused for a later batch staged
+        at the same layout with the same host-side facts."""
+        t, meta, attn = batch.num_tokens, batch.meta, self.model.attn
+        if batch.layout is None:
+            return attn.plan(v.qkv[:t], meta, v.attn[:t])
+        key = (batch.layout, v.input_ids.shape[0], t, meta.max_q_len, meta.max_prefix_len,
+               attn.hopper, id(attn), id(meta.kv))
+        hit = self._plans.get(key)
+        # NOTE: the entry holds the backend and the pool it was bound for, so neither id can
+        # be reused by another object while it is cached
+        if hit is not None and hit[0] is attn and hit[1] is meta.kv:
+            return hit[2]
+        plan = attn.plan(v.qkv[:t], meta, v.attn[:t])
+        if len(self._plans) >= self.MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = (attn, meta.kv, plan)
+        return plan
+
+    def close(self) -> None:
+        self._plans.clear()
+        self.bufs = None

@@ -1,0 +1,35 @@
+"""Eager forwards: the model's own forward on a freshly flattened batch. The fallback runner (it
+runs any batch) and the only one on a CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.batch import BatchStaging, PrefillBatch, build_batch
+from service.engine.runners import Chunks, on_stream
+from service.model.llama import LlamaModel
+from service.model.meta import KVCache
+
+
+class EagerRunner:
+    name = "eager"
+
+    def __init__(self, model: LlamaModel, stream: torch.cuda.Stream | None = None,
+                 staging: BatchStaging | None = None):
+        self.model, self.stream, self.staging = model, stream, staging
+        self.device = model.embed_tokens.weight.device
+
+    def can_run(self, chunks: Chunks, tokens: int) -> bool:
+        return True
+
+    @torch.inference_mode()
+    def run(self, chunks: Chunks, kv: KVCache) -> tuple[torch.Tensor, PrefillBatch, str]:
+        """NOTE: the logits are allocated on the runner's stream; a caller may read them on
+        its own: the next forward waits for that stream before their memory can be reused."""
+        with on_stream(self.stream):
+            batch = build_batch(chunks, kv, self.device, staging=self.staging)
+            if batch.num_tokens == 0:
+                logits = torch.empty(0, self.model.cfg.vocab_size, device=self.device)
+            else:
+                logits = self.model(batch.input_ids, batch.positions, batch.meta)
+        return logits, batch, "eager"

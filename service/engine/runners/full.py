@@ -1,0 +1,133 @@
+"""Full CUDA graphs for small batches: the whole forward, attention included, in one launch.
+
+A breakable forward of a small batch is bound by host launches (a few per layer), not by the
+GPU. A full graph replays embedding to final norm, the LM head on each sequence's last row and
+the first token's reductions (service.engine.sampling.summarize) as ONE graph, reading fixed
+buffers (service.engine.full_buffers); the host then waits for one small copy of the summary.
+Batches of at most `max_seqs` sequences in a bucket of at most `max_tokens` tokens take it,
+unless they want every row's logits (prompt logprobs).
+
+Its GEMMs are captured through cuBLASLt: for some small GEMMs (Llama shapes' down projection at
+128 rows) cuBLAS picks a split-K kernel plus a reduce kernel, cuBLASLt one kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from service.engine.batch import PrefillBatch
+from service.engine.full_buffers import FullBuffers, capture_chunks
+from service.engine.runners import Chunks, gc_paused, on_stream
+from service.engine.runners.breakable import BreakableRunner
+from service.engine.sampling import summarize
+from service.model.llama import Eager
+from service.model.meta import KVAddresses, KVCache
+
+BLAS = "cublaslt"  # the library the full graphs' GEMMs are captured with (on CUDA)
+
+
+@contextmanager
+def blas_library(name: str, device: torch.device) -> Iterator[None]:
+    """PyTorch's preferred BLAS library set to `name` inside (CUDA only; restored after)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+class FullGraphRunner:
+    """Full graphs of the breakable runner's buckets up to `max_tokens`, over its static buffers
+    and in its graph backend's pool."""
+
+    name = "full"
+
+    def __init__(self, graphs: BreakableRunner, max_tokens: int, max_seqs: int,
+                 max_pages: int):
+        self.graphs, self.model, self.backend = graphs, graphs.model, graphs.backend
+        self.sizes = tuple(n for n in graphs.buckets if n <= max_tokens)
+        self.max_seqs, self.max_pages = max_seqs, max_pages
+        self.bufs: FullBuffers | None = None
+        self.kv_addrs: KVAddresses | None = None
+
+    # -- capture --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, kv: KVCache) -> None:
+        """One full graph per bucket, after the breakable graphs (whose static buffers it
+        uses: it allocates nothing itself)."""
+        if not self.sizes or not len(self.model.layers) or self.graphs.bufs is None:
+            return
+        device = self.graphs.device
+        if self.bufs is None:
+            self.bufs = FullBuffers(max(self.sizes), self.max_seqs, self.max_pages,
+                                    kv.page_size, self.model.cfg.vocab_size, device)
+            self.kv_addrs = KVAddresses(len(self.model.layers), device)
+        self.kv_addrs.bind(kv)
+        try:
+            with on_stream(self.graphs.stream), gc_paused(), blas_library(BLAS, device):
+                for n in reversed(self.sizes):
+                    self._capture_bucket(n, kv)
+        finally:
+            self.kv_addrs.unbind()  # the scratch pool must be freeable before KV sizing
+
+    def _capture_bucket(self, n: int, kv: KVCache) -> None:
+        fv = self.bufs.views(n)
+        self.bufs.load(capture_chunks(n, self.model.max_positions, kv.page_size), kv, n)
+        acts = dataclasses.replace(self.graphs.bufs.views(n), input_ids=fv.input_ids,
+                                   positions=fv.positions)
+        attend = self.model.attn.plan_static(acts.qkv, acts.attn, fv.cu_seqlens_q,
+                                             fv.prefix_lens, fv.page_table, fv.slot_mapping,
+                                             self.kv_addrs)
+        out = self.bufs
+
+        def forward() -> None:
+            self.model.run(acts, Eager(attend))
+            # the summary kernel also writes the fp32 logits
+            summarize(self.model.head_at(acts.hidden, fv.head_rows), out=out.summary,
+                      logits_out=out.logits)
+
+        self.backend.capture_whole(("full", n), forward)
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(k[1] for k in self.backend.keys if isinstance(k, tuple)))
+
+    @property
+    def static_bytes(self) -> int:
+        if self.bufs is None:
+            return 0
+        return self.bufs.nbytes + self.kv_addrs.table.numel() * 8
+
+    # -- forward --------------------------------------------------------------------------------
+    def can_run(self, chunks: Chunks, tokens: int) -> bool:
+        if self.bufs is None or not self.graphs.buckets.use_graph(tokens):
+            return False
+        n = self.graphs.buckets.pad_to_bucket(tokens)
+        return self.backend.has(("full", n)) and self.bufs.fits(chunks, n)
+
+    @torch.inference_mode()
+    def run(self, chunks: Chunks, kv: KVCache) -> tuple[torch.Tensor, PrefillBatch, str]:
+        """Stage the batch and replay its bucket's graph on the caller's stream (one launch
+        needs no stream switch); the batch's metadata is built while the graph runs, and its
+        summary comes back on the host. Only the staging precedes the launch."""
+        n = self.graphs.buckets.pad_to_bucket(sum(c.num_tokens for c in chunks))
+        fb, b = self.bufs, len(chunks)
+        self.kv_addrs.bind(kv)
+        fb.stage(chunks, n)
+        self.backend.replay(("full", n))
+        summary = fb.fetch_summary(b)
+        logits = fb.logits[:b].clone()  # NOTE: a copy: the next forward overwrites the buffer
+        batch = fb.batch(chunks, kv, n, summary)
+        fb.fetched_summary(summary)  # the host waits here, for the graph and the copy
+        return logits, batch, "graph"
+
+    def close(self) -> None:
+        self.bufs = self.kv_addrs = None

@@ -1,0 +1,61 @@
+"""Settings: one source for the engine's and the server's configs and for the README's table."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from service.config import (
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+    Settings,
+    load_settings,
+    resolve,
+    settings_table,
+)
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_case_insensitive_choices():
+    s = load_settings({"LOG_LEVEL": "INFO", "DEVICE": "CPU", "DTYPE": "BFloat16"})
+    assert (s.log_level, s.device, s.dtype) == ("info", "cpu", "bfloat16")
+
+
+@pytest.mark.parametrize("var,value", [("LOG_LEVEL", "LOUD"), ("MEM_FRACTION_STATIC", "1.0"),
+                                       ("MEM_FRACTION_STATIC", "0"), ("PAGE_SIZE", "zero")])
+def test_bad_values_name_the_variable(var, value):
+    with pytest.raises(ConfigError) as e:
+        load_settings({var: value})
+    assert var in str(e.value) and value.lower() in str(e.value).lower()
+
+
+def test_every_config_field_is_a_setting_and_every_setting_reaches_a_config():
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert engine | server == set(Settings.model_fields) and not engine & server
+
+
+def test_values_come_from_the_settings_by_name():
+    env = {"PAGE_SIZE": "32", "MAX_QUEUE_REQUESTS": "7", "ACCESS_LOG": "false",
+           "HEADER_TIMEOUT_S": "2.5", "CUDA_GRAPH_BUCKETS": "64,16", "CPU_THREADS": "3",
+           "SERVED_MODEL_NAME": "m"}
+    eng, srv = resolve(load_settings(env), cuda_available=False)
+    assert (eng.page_size, eng.max_queue_requests, eng.cpu_threads) == (32, 7, 3)
+    assert eng.cuda_graph_buckets == (16, 64) and eng.cuda_graph_max_tokens == 0  # no CUDA
+    assert (eng.device, eng.dtype) == ("cpu", "float32")
+    assert (srv.access_log, srv.header_timeout_s, srv.served_model_name) == (False, 2.5, "m")
+
+
+def test_the_readme_settings_table_is_the_generated_one():
+    """`python -m service.config` prints the table; README.md holds it verbatim."""
+    text = README.read_text()
+    block = re.search(r"\| variable \| default \| meaning \|\n(?:\|.*\|\n)+", text)
+    assert block, "README.md has no settings table"
+    assert block.group(0).rstrip("\n") == settings_table(), (
+        "README.md's settings table differs from the settings: paste "
+        "`python -m service.config` over it")
