@@ -45,15 +45,9 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + slot * stride_vcs + offs_h * stride_vch + offs_d, v, mask=mask)
 
 
-def prepare_store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    wrap=None,
-) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+def prepare_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, wrap=None
+                     ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
     """Bind all but the caches once: `launch(k_cache, v_cache)`, or None (nothing to store)."""
     T, KVH, D = k.shape
     assert v.shape == k.shape, f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}"
@@ -82,15 +76,8 @@ def prepare_store_kv(
     return launch
 
 
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    wrap=None,
-) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, wrap=None) -> None:
     """k_cache[slot_mapping[t]] = k[t] and v_cache[slot_mapping[t]] = v[t] for every t."""
     launch = prepare_store_kv(k, v, k_cache, v_cache, slot_mapping, wrap=wrap)
     if launch is not None:

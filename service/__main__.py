@@ -1,18 +1,6 @@
 """`python -m service` / `triton-prefill`: read settings once, bind, serve, drain on SIGTERM.
 
-Start-up, failing fast and with one line on stderr: the settings (exit 2 naming the variable),
-the listening address (exit 1 when HOST/PORT cannot be bound), the model path (exit 1 when it
-cannot be a model); then the service listens, /ready answering 503 until the model is loaded,
-graphs are captured and the KV pool is sized. A load failure exits 1 (its traceback is logged
-at LOG_LEVEL=debug).
-
-Shutdown: SIGTERM (or Ctrl+C) starts a drain: /ready and new POSTs answer 503 with
-`Connection: close` while the listener stays open (so Kubernetes sees the pod leave its
-endpoints), and in-flight requests get DRAIN_TIMEOUT_S to finish. What is still in flight then,
-or when a second signal arrives, gets a JSON 503 (retryable on another replica). The process
-exits 0 at most SHUTDOWN_MARGIN_S after the drain ends, without waiting for a forward still
-running on the engine thread.
-"""
+Start-up failures print one line and exit 2 (bad setting) or 1 (address, model path, load)."""
 
 from __future__ import annotations
 
@@ -36,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("service")
 
 SHUTDOWN_MARGIN_S = 5.0  # drain end -> exit: answer what is in flight, close, stop the engine
-RESPONSE_FLUSH_S = 2.0  # of that margin: in-flight requests' last responses going out
+RESPONSE_FLUSH_S = 2.0  # of that margin: the last responses going out
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
@@ -53,10 +41,8 @@ class DrainingServer(uvicorn.Server):
         return self.config.app.state.prefill
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # NOTE: a signal handler runs between two bytecodes of the event-loop thread, which may
-        # hold the scheduler's lock right then: set flags only; on_tick acts on them. Not
-        # recorded in uvicorn's _captured_signals: it would re-raise the signal after shutdown
-        # and the process would die by SIGTERM instead of exiting 0.
+        # NOTE: set flags only: this thread may hold the scheduler's lock now (on_tick acts). Not
+        # recorded in uvicorn's _captured_signals, which would re-raise SIGTERM after shutdown.
         self.signals.append(sig)
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.drain_timeout_s
@@ -94,8 +80,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: FastAPI, server_cfg: ServerConfig, **overrides: Any) -> uvicorn.Config:
-    """The server around `app`: the guarded HTTP protocol (service.api.protocol), no WebSocket,
-    RESPONSE_FLUSH_S for the last responses at shutdown."""
     from service.api.protocol import ConnectionLimits, GuardedProtocol
 
     limits = ConnectionLimits(server_cfg.max_header_bytes, server_cfg.header_timeout_s,
@@ -124,8 +108,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def watchdog(server: DrainingServer) -> None:
-    """Exit however shutdown is going once the drain plus the margin is over: the bound the
-    README and the Kubernetes grace period rely on."""
+    """Exit once the drain plus SHUTDOWN_MARGIN_S is over, however shutdown is going."""
     while True:
         time.sleep(0.25)
         deadline = server.drain_deadline
@@ -136,8 +119,7 @@ def watchdog(server: DrainingServer) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Flush the logs and end the process without waiting for the engine thread (a forward may
-    still be running there; interpreter shutdown around it could abort)."""
+    """Flush the logs and end the process without waiting for the engine thread."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -150,7 +132,6 @@ def fail(message: str, code: int) -> None:
 
 
 def start(settings: Settings) -> tuple[DrainingServer, socket.socket]:
-    """Check, bind and build everything before serving; exits with one line on a failure."""
     try:
         sock = bind(settings.host, settings.port)
     except ConfigError as e:
@@ -198,9 +179,7 @@ def main() -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server, sock = start(settings)
-    # The event loop and the engine thread share the GIL, and the engine thread takes it back
-    # after every torch op: with the loop busy (a flood of requests), each such handover waits up
-    # to the switch interval (5 ms by default), which starved forwards under a retry storm.
+    # The engine thread retakes the GIL after every torch op: shorten each handover's wait
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     threading.Thread(target=watchdog, args=(server,), name="shutdown-watchdog",
                      daemon=True).start()

@@ -1,13 +1,6 @@
 """Settings: every environment variable the service reads, read once at start-up.
 
-`Settings` is the one source: each field's description is the README's settings table
-(`python -m service.config` prints it; a test keeps the README equal), and the frozen
-`EngineConfig` / `ServerConfig` below take their values from it by field name, with the "auto"
-values resolved (`resolve`). Nothing below this module reads the environment.
-
-No prefix on purpose: Kubernetes injects `<SERVICE>_PORT`-style variables for every Service, so a
-prefix such as `PREFILL_` could collide with a Service named `prefill`.
-"""
+No prefix: Kubernetes injects `<SERVICE>_PORT`-style variables that a prefix could collide with."""
 
 from __future__ import annotations
 
@@ -160,7 +153,6 @@ class Settings(BaseSettings):
 
 
 def clip(text: str, limit: int = 80) -> str:
-    """`text` cut to `limit` characters for echoing in a message."""
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
@@ -264,7 +256,6 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
 
 
 def settings_table() -> str:
-    """The README's settings table, from the field descriptions."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         extra = field.json_schema_extra or {}

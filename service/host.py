@@ -9,8 +9,7 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
-# Oldest Linux driver of each CUDA major release (NVIDIA's CUDA toolkit release notes, minor
-# version compatibility): a wheel built for CUDA 13.x needs >= 580, for 12.x >= 525.
+# Oldest Linux driver of each CUDA major release (CUDA toolkit release notes)
 MIN_DRIVER = {13: 580, 12: 525, 11: 450}
 
 
@@ -31,8 +30,7 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
 
 
 def usable_cpus(root: Path = CGROUP_ROOT) -> int:
-    """Whole CPUs this process may use: its affinity mask, capped by the cgroup quota (at
-    least 1). A quota of 1.5 CPUs gives 1: a second thread would only be throttled."""
+    """Whole CPUs this process may use: its affinity mask, capped by the floored cgroup quota."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -44,7 +42,6 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
 
 
 def describe_cpus(root: Path = CGROUP_ROOT) -> str:
-    """Where `usable_cpus` comes from, for the start-up log."""
     try:
         mask = f"{len(os.sched_getaffinity(0))} CPUs in the affinity mask"
     except AttributeError:
@@ -63,8 +60,7 @@ def driver_version(path: Path = NVIDIA_VERSION_FILE) -> str | None:
 
 
 def cuda_requirement(torch_cuda: str | None = None, driver: str | None = None) -> str:
-    """Why CUDA may be unusable here: the torch build's CUDA version, the driver it needs and the
-    driver found, in one sentence."""
+    """Why CUDA may be unusable here: the build's CUDA version, the driver needed and found."""
     if torch_cuda is None:
         import torch
 

@@ -27,8 +27,6 @@ from service.engine.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EngineConfig], Any]
-# How long shutdown waits for the engine loop to leave its current forward; a longer forward
-# ends with the process (service.__main__ exits without waiting for it).
 ENGINE_STOP_WAIT_S = 1.0
 
 
@@ -49,7 +47,6 @@ def _configs(settings: Settings | None, engine_cfg: EngineConfig | None,
 
 
 async def _watch_load(state: AppState, on_fatal: Callable[[str], None] | None) -> None:
-    """Log readiness; on a load failure tell the process (exit) or leave /health at 503."""
     assert state.scheduler.loaded is not None
     try:
         await state.scheduler.loaded
@@ -57,7 +54,7 @@ async def _watch_load(state: AppState, on_fatal: Callable[[str], None] | None) -
                  state.scheduler.info.kv_capacity_tokens)
     except Exception as e:  # noqa: BLE001 - reported through /health, /ready and on_fatal
         if on_fatal is not None:
-            on_fatal(str(e))  # logs the one error line itself
+            on_fatal(str(e))
         else:
             log.error("not serving: %s", e)
 
@@ -66,14 +63,10 @@ def create_app(settings: Settings | None = None, *, engine_cfg: EngineConfig | N
                server_cfg: ServerConfig | None = None,
                engine_factory: EngineFactory | None = None,
                on_fatal: Callable[[str], None] | None = None) -> FastAPI:
-    """Build an app; nothing loads until its lifespan starts.
-
-    `engine_factory(engine_cfg)` builds the engine in the engine thread (tests inject fakes);
-    `on_fatal(message)` is called if the engine fails to load (the CLI exits non-zero).
-    """
+    """Build an app; nothing loads until its lifespan starts (`engine_factory` on its thread)."""
     eng_cfg, srv_cfg = _configs(settings, engine_cfg, server_cfg)
     factory = engine_factory or default_engine_factory
-    # `state` is bound below, before any scrape
+    # NOTE: `state` is bound below, before any scrape
     metrics = Metrics(lambda: state.snapshot(), srv_cfg.served_model_name)
     scheduler = Scheduler(lambda: factory(eng_cfg), max_queue=eng_cfg.max_queue_requests,
                           max_batch_prompts=eng_cfg.max_batch_prompts,

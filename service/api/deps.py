@@ -11,8 +11,7 @@ from service.api.errors import Unauthorized
 from service.api.state import AppState
 
 
-# NOTE: async, though neither awaits anything: FastAPI runs a plain `def` dependency in its
-# thread pool, two thread hops per request for a dict lookup and a string compare.
+# NOTE: async, though neither awaits: FastAPI runs a plain `def` dependency in its thread pool
 async def get_state(request: Request) -> AppState:
     return request.app.state.prefill
 

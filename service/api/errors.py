@@ -76,8 +76,7 @@ def error_body(message: str, type_: str, param: str | None = None,
 
 def error_bytes(message: str, type_: str, param: str | None = None,
                 code: str | int | None = None) -> bytes:
-    """`error_body` as JSON bytes; ASCII-escaped, so any string a client sent (lone surrogates
-    included) can be echoed."""
+    """`error_body` as ASCII-escaped JSON: any client string (lone surrogates too) can be echoed."""
     return json.dumps(error_body(message, type_, param, code)).encode()
 
 
@@ -101,8 +100,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errs):
         return "request body is not valid JSON", None
-    # A union field fails once per member: report the member that matched best (deepest error,
-    # then fewest errors), e.g. input_ids=[[1], ["a"]] -> "input_ids[1][0]", not "input_ids[0]".
+    # A union field fails once per member: report the best match (deepest, then fewest errors)
     branches: dict[str, list] = {}
     for e in errs:
         tag = next((p for p in e.get("loc", ()) if isinstance(p, str) and "[" in p), "")
@@ -122,7 +120,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 class ErrorReply(NamedTuple):
     status: int
     headers: dict[str, str]
-    body: bytes  # the JSON error body
+    body: bytes
     label: str  # prefill_requests_total's status label
 
 
@@ -142,8 +140,7 @@ def reply(exc: BaseException, message: str, param: str | None = None,
 
 
 def install(app: FastAPI, count: Callable[[str], None]) -> None:
-    """Register handlers; `count(status_label)` feeds prefill_requests_total. Exceptions no
-    handler takes become JSON 500s in the Guard middleware (service.api.middleware)."""
+    """Register handlers; `count(status_label)` feeds prefill_requests_total."""
 
     def respond(exc: BaseException, message: str, param: str | None,
                 code: str | None) -> Response:

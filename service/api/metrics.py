@@ -1,10 +1,6 @@
 """Every Prometheus metric of the service, in base units, in one registry per app.
 
-Gauges that mirror engine numbers are read at scrape time from a plain-number snapshot; the
-counters and histograms are fed by the scheduler's observer hooks (called from the engine thread;
-prometheus_client is thread-safe) and by the routes. Every series carries the served model's name
-as `model_name`, the label routers and autoscalers select on (as vLLM's metrics do).
-"""
+Gauges read a plain-number snapshot at scrape time; every series has the `model_name` label."""
 
 from __future__ import annotations
 
@@ -109,7 +105,7 @@ class Metrics:
         assert status in REQUEST_STATUSES, f"unknown request status {status!r}"
         self.requests[status].inc()
 
-    # ---- scheduler Observer hooks (engine thread) --------------------------------------------
+    # NOTE: the Observer hooks below run on the engine thread
     def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None:
         self.forwards[mode].inc()
         self.forward_seconds[mode].observe(seconds)

@@ -1,6 +1,4 @@
-"""Pure-ASGI middleware, outermost first: Guard (JSON 500s, Connection: close while draining) and
-BodyLimit (413 before any parsing). Requests that cannot be queued are refused earlier still, from
-their head, in the connection layer (service.api.protocol)."""
+"""Pure-ASGI middleware, outermost first: Guard (JSON 500s, draining) and BodyLimit (413)."""
 
 from __future__ import annotations
 
@@ -25,9 +23,7 @@ async def send_json(send: Send, status: int, body: bytes,
 
 
 class Guard:
-    """An exception that no handler took becomes a counted JSON 500 (not the server's plain-text
-    one) and is logged once; while `draining()`, every response carries `Connection: close`, so
-    no client keeps a connection to a process that is about to close it."""
+    """Unhandled exceptions become a JSON 500; while `draining()`, send `Connection: close`."""
 
     def __init__(self, app: ASGIApp, draining: Callable[[], bool],
                  count: Callable[[str], None]):
@@ -61,8 +57,7 @@ class Guard:
 
 
 class BodyLimit:
-    """Reject bodies over `max_bytes` with 413; the body is buffered (FastAPI buffers it anyway)
-    and replayed to the app, after which `receive` passes through (disconnect detection)."""
+    """413 for bodies over `max_bytes`; the buffered body is replayed, then `receive` passes."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] = lambda: None):
         self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject

@@ -17,15 +17,11 @@ from service.engine.sampling import SamplingParams
 
 T = TypeVar("T")
 
-# Bodies of at most this many bytes are tokenized and checked on the event loop: that work (~0.1-
-# 0.4 ms for 512-2,048 characters of text on this repo's CPU) costs less than the hop to a worker
-# thread and back. Larger bodies (or ones without a Content-Length) go to a worker thread, so a
-# long prompt's seconds of tokenizing never stall the loop.
+# Bodies up to this size are tokenized on the event loop; larger ones in a worker thread
 INLINE_BODY_BYTES = 2048
 
 
 async def off_loop(http: HTTPRequest, fn: Callable[..., T], *args) -> T:
-    """fn(*args): here for a small body, else in a worker thread (asyncio.to_thread)."""
     size = http.headers.get("content-length", "")
     if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
         return fn(*args)
@@ -43,6 +39,13 @@ def require_ready(state: AppState) -> None:
         raise err
 
 
+async def tokenized(state: AppState, http: HTTPRequest, model: str | None,
+                    fn: Callable[..., T], *args) -> T:
+    require_ready(state)
+    check_model(state, model)
+    return await off_loop(http, fn, *args)
+
+
 def _too_long(name: str, count: str, state: AppState) -> PromptTooLong:
     limit, why = state.prompt_limit
     return PromptTooLong(f"{name} has {count} tokens; the limit is {limit} ({why})", name,
@@ -51,8 +54,7 @@ def _too_long(name: str, count: str, state: AppState) -> PromptTooLong:
 
 def encode_texts(state: AppState, texts: Sequence[str], field: str,
                  single: bool) -> list[list[int]]:
-    """Token ids of each text; an over-long text is refused after about the limit's worth of
-    tokenizing, however long it is."""
+    """Token ids of each text; an over-long one is refused after about `limit` tokens of work."""
     out = []
     limit = state.max_prompt_tokens
     for i, text in enumerate(texts):
@@ -79,7 +81,7 @@ def check_ids(state: AppState, prompts: list[list[int]], field: str,
             raise BadInput(f"{name} is empty (no tokens)", name)
         if len(ids) > limit:
             raise _too_long(name, str(len(ids)), state)
-        if min(ids) < 0 or max(ids) >= vocab:  # C-speed scan; locate the culprit only then
+        if min(ids) < 0 or max(ids) >= vocab:
             j, t = next((j, t) for j, t in enumerate(ids) if not 0 <= t < vocab)
             raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "
                            f"(0 <= id < {vocab})", f"{name}[{j}]")
@@ -93,19 +95,14 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 async def run_prompts(state: AppState, http: HTTPRequest, prompts: list[list[int]],
                       params: SamplingParams) -> list[PromptResult]:
-    """Submit all prompts at once (they may share forwards) and await every result.
-
-    Client gone (disconnect, or this task cancelled): every prompt is cancelled, queued ones never
-    run and running ones free their KV pages once their current forward ends.
-    """
+    """Submit all prompts at once and await every result; if the client goes, cancel them all."""
     require_ready(state)
     loop = asyncio.get_running_loop()
     reqs = [Prompt(ids, params, loop) for ids in prompts]
     state.scheduler.submit(reqs)
     state.active_requests += 1
     results = asyncio.gather(*(r.future for r in reqs))
-    # NOTE: when a prompt is cancelled, gather() ends with an exception nobody awaits any more;
-    # retrieve it so asyncio does not log "exception was never retrieved".
+    # NOTE: retrieve gather()'s exception, or asyncio logs "exception was never retrieved"
     results.add_done_callback(lambda f: f.cancelled() or f.exception())
     watcher = asyncio.ensure_future(_wait_disconnect(http.receive))
     try:

@@ -1,21 +1,6 @@
 """The HTTP/1.1 connection layer: uvicorn's httptools protocol with limits on what a client holds.
 
-Each connection answers with the API's JSON error body and closes when a client
-- sends a malformed request (bad Content-Length, bad chunk sizes, TLS bytes on the plain port):
-  400;
-- sends a request head (request line + headers) larger than MAX_HEADER_BYTES: 431, before the
-  app (and its API-key check) sees the request;
-- has not completed a request head HEADER_TIMEOUT_S after the connection opened or the head's
-  first byte arrived: 408 (a connection that sent nothing is closed without an answer);
-- has not completed a body BODY_TIMEOUT_S after its head: 408;
-- opens a connection beyond MAX_CONNECTIONS: 503.
-Keep-alive idleness between requests is uvicorn's own timeout (timeout_keep_alive).
-
-A POST to /v1/ that could not be queued now (`refusal()`: queue full, loading, draining) is
-answered from its request head alone, before an ASGI task exists: a client that retries 429s in
-a loop then costs the server little more than parsing its head, and the event loop keeps the
-GIL free for the engine thread.
-"""
+A POST to /v1/ that cannot be queued is answered from its head, before an ASGI task exists."""
 
 from __future__ import annotations
 
@@ -33,9 +18,7 @@ from service.api.errors import error_bytes, reply
 
 log = logging.getLogger(__name__)
 
-# After an error response, the connection half-closes and discards what the client still sends
-# for this long before closing: closing with unread input makes the kernel send a reset, which
-# can destroy the response before the client reads it.
+# Half-closed linger after an error: closing on unread input resets and can lose the response
 LINGER_S = 1.0
 
 
@@ -49,7 +32,6 @@ class ConnectionLimits:
 
 def raw_response(status: int, body: bytes, headers: list[tuple[bytes, bytes]],
                  close: bool = True) -> bytes:
-    """A complete HTTP/1.1 response with a JSON body."""
     head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
     head += [name + b": " + value + b"\r\n" for name, value in headers]
     head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
@@ -58,8 +40,7 @@ def raw_response(status: int, body: bytes, headers: list[tuple[bytes, bytes]],
 
 
 class _Answered:
-    """The request/response cycle of a request answered from its head: what uvicorn's parser
-    callbacks see ignores the body that may follow."""
+    """The cycle of a request answered from its head: the parser callbacks ignore its body."""
 
     response_complete = response_started = True
     disconnected = more_body = False
@@ -71,9 +52,7 @@ ANSWERED = _Answered()
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    """`limits` bound what one connection may hold; `count(label)` counts each refused request
-    in prefill_requests_total; `refusal()` says why a prefill could not be queued now. Build it
-    with functools.partial for uvicorn.Config(http=...)."""
+    """Build with functools.partial for uvicorn.Config(http=...); `refusal()` may refuse early."""
 
     def __init__(self, *args: Any, limits: ConnectionLimits,
                  count: Callable[[str], None] = lambda label: None,
@@ -85,7 +64,6 @@ class GuardedProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._lingering = False
 
-    # -- connection -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
@@ -121,7 +99,6 @@ class GuardedProtocol(HttpToolsProtocol):
                          f"the request head is over {self.limits.max_header_bytes} bytes "
                          "(MAX_HEADER_BYTES)")
 
-    # -- parser callbacks -----------------------------------------------------------------------
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.limits.body_timeout_s, self._body_timeout)
@@ -150,7 +127,6 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_head, self._head_bytes = True, 0
         super().on_message_complete()
 
-    # -- limits ---------------------------------------------------------------------------------
     def _arm(self, seconds: float, callback: Callable[[], None]) -> None:
         self._disarm()
         self._timer = self.loop.call_later(seconds, callback)
@@ -181,8 +157,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refuse(400, "invalid_request_error", "malformed_request", "bad_request", msg)
 
     def _refuse(self, status: int, type_: str, code: str, label: str, message: str) -> None:
-        """Answer `status` with a JSON error (unless a response is already under way) and
-        close the connection."""
+        """Answer `status` with a JSON error (unless a response is under way) and close."""
         self._disarm()
         if self.transport.is_closing():
             return
@@ -191,8 +166,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.close()  # the body of a request already answered (e.g. a 429)
             return
         if cycle is not None and not cycle.response_complete:
-            # NOTE: the app stops here: its receive() returns http.disconnect and nothing it
-            # sends reaches the transport
+            # NOTE: the app's receive() now returns http.disconnect; its sends are dropped
             cycle.disconnected = True
             cycle.message_event.set()
             if cycle.response_started:
@@ -205,7 +179,6 @@ class GuardedProtocol(HttpToolsProtocol):
         self._linger()
 
     def _linger(self) -> None:
-        """Half-close, discard what still arrives, close after LINGER_S."""
         self._disarm()
         if not self.transport.can_write_eof():
             self.transport.close()

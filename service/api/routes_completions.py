@@ -1,10 +1,6 @@
 """POST /v1/completions: the OpenAI legacy completions API, limited to max_tokens 0 or 1.
 
-max_tokens=0 with echo=true and logprobs=k is how scoring clients get prompt logprobs. Anything
-that needs decoding (max_tokens > 1, stream, n > 1, best_of > 1) is refused with 400.
-Differences from OpenAI: temperature defaults to 0 (greedy), max_tokens defaults to 1, and
-logprobs may be up to 20.
-"""
+max_tokens=0, echo=true, logprobs=k gives prompt logprobs; temperature defaults to 0 here."""
 
 from __future__ import annotations
 
@@ -15,14 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from service.api.deps import State, require_api_key
 from service.api.errors import BadInput
-from service.api.prompts import (
-    check_ids,
-    check_model,
-    encode_texts,
-    off_loop,
-    require_ready,
-    run_prompts,
-)
+from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
 from service.api.schemas import (
     CompletionChoice,
     CompletionLogprobs,
@@ -119,10 +108,8 @@ def to_choice(state: AppState, i: int, body: CompletionRequest, max_tokens: int,
 async def completions(body: CompletionRequest, state: State,
                       request: Request) -> CompletionResponse:
     max_tokens = check_supported(body)
-    require_ready(state)
-    check_model(state, body.model)
-    # NOTE: tokenizing and checking a large body takes seconds: off the event loop (off_loop)
-    prompts, texts = await off_loop(request, prompt_inputs, state, body.prompt)
+    prompts, texts = await tokenized(state, request, body.model, prompt_inputs, state,
+                                     body.prompt)
     want_lps = body.logprobs is not None
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.logprobs or 0,

@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
 async def list_models(state: State) -> ModelList:
     info = state.scheduler.info
     if info is None:
-        require_ready(state)  # 503 while loading
+        require_ready(state)
     card = ModelCard(id=state.model_name, created=state.created, root=info.model_path,
                      max_model_len=state.max_prompt_tokens)
     return ModelList(data=[card])

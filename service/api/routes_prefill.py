@@ -7,14 +7,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from service.api.deps import State, require_api_key
-from service.api.prompts import (
-    check_ids,
-    check_model,
-    encode_texts,
-    off_loop,
-    require_ready,
-    run_prompts,
-)
+from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
 from service.api.schemas import (
     PrefillRequest,
     PrefillResponse,
@@ -64,10 +57,7 @@ def to_result(state: AppState, i: int, ids: list[int], res: PromptResult) -> Pre
 @router.post("/prefill", response_model=PrefillResponse)
 async def prefill(body: PrefillRequest, state: State, request: Request) -> PrefillResponse:
     """Prefill each prompt and return its first token (greedy unless temperature > 0)."""
-    require_ready(state)
-    check_model(state, body.model)
-    # NOTE: tokenizing and checking a large body takes seconds: off the event loop (off_loop)
-    prompts = await off_loop(request, prompt_ids, state, body)
+    prompts = await tokenized(state, request, body.model, prompt_ids, state, body)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.top_logprobs,
                             prompt_logprobs=body.prompt_logprobs)

@@ -44,8 +44,7 @@ class AppState:
 
     @property
     def prompt_limit(self) -> tuple[int, str]:
-        """The longest prompt that can run, and which limit sets it: MAX_PROMPT_TOKENS, the
-        model's context length or the KV pool (a longer prompt could never be admitted)."""
+        """The longest prompt that can run, and which limit sets it."""
         limits = [(self.engine_cfg.max_prompt_tokens, "MAX_PROMPT_TOKENS")]
         info = self.scheduler.info
         if info is not None:
@@ -61,13 +60,12 @@ class AppState:
         self.draining = True
 
     def refusal(self) -> Exception | None:
-        """Why a prefill request would be refused now (draining, loading, queue full), or None."""
+        """Why a prefill request would be refused now, or None."""
         if self.draining:
             return NotReady("server is draining (shutting down); retry on another replica")
         return self.scheduler.admission_error()
 
     def snapshot(self) -> dict[str, float]:
-        """Plain numbers for the scrape-time gauges."""
         stats = self.scheduler.stats()
         snap: dict[str, float] = {
             "mem_fraction_static": self.engine_cfg.mem_fraction_static,

@@ -14,23 +14,18 @@ from service.model.meta import ForwardMeta, KVCache
 
 
 def token_array(token_ids) -> np.ndarray:
-    """A prompt's token ids as the int64 array a batch is flattened from (see SeqChunk.ids)."""
     return np.asarray(token_ids, dtype=np.int64)
 
 
 @dataclass(frozen=True)
 class SeqChunk:
-    """One sequence's share of a forward: `token_ids` are new; `prefix_len` tokens are cached.
-
-    `ids`, when given, holds the same tokens as an int64 array (a view of the prompt's array,
-    built where the prompt arrives, off the engine thread): flattening a batch then copies
-    arrays instead of converting Python ints on the engine thread."""
+    """One sequence's share of a forward: `token_ids` are new; `prefix_len` tokens are cached."""
 
     token_ids: tuple[int, ...]
     prefix_len: int
     pages: tuple[int, ...]  # pages covering prefix_len + len(token_ids) tokens
     all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
-    ids: np.ndarray | None = field(default=None, compare=False, repr=False)
+    ids: np.ndarray | None = field(default=None, compare=False, repr=False)  # token_ids, int64
 
     def __post_init__(self) -> None:
         assert self.ids is None or (self.ids.dtype == np.int64
@@ -39,7 +34,6 @@ class SeqChunk:
 
     @classmethod
     def of(cls, token_ids, prefix_len: int, pages, all_logits: bool = False) -> SeqChunk:
-        """A chunk with its `ids` array, as the scheduler's requests make them."""
         ids = token_array(token_ids)
         return cls(tuple(ids.tolist()), prefix_len, tuple(pages), all_logits, ids)
 
@@ -48,7 +42,6 @@ class SeqChunk:
         return len(self.token_ids)
 
     def id_array(self) -> np.ndarray | tuple[int, ...]:
-        """The token ids in the form that fills a numpy array fastest."""
         return self.token_ids if self.ids is None else self.ids
 
 
@@ -61,11 +54,9 @@ class PrefillBatch:
     meta: ForwardMeta
     logits_rows: tuple[tuple[int, int], ...]  # per chunk: [start, end) into the logits rows
     last_rows: torch.Tensor  # (B,) int64 on the device: each chunk's last row of the logits
-    # (B, summary_width) float64 on the host, when the forward already reduced the last rows
-    # (a full graph: service.engine.sampling.summarize), else None
+    # (B, summary_width) float64 on the host when a full graph reduced the last rows, else None
     summary: torch.Tensor | None = None
-    # Staged through a BatchStaging: (its id, generation, batch shape). Batches with equal
-    # layouts have their device tensors at the same addresses. None: fresh buffers.
+    # (staging id, generation, shape) when staged: equal layouts share device addresses
     layout: tuple | None = None
 
     @property
@@ -79,8 +70,6 @@ class PrefillBatch:
 
 @dataclass(frozen=True)
 class HostBatch:
-    """A batch's flat arrays on the host, before they cross to the device."""
-
     ids: np.ndarray  # (T_padded,) int64
     positions: np.ndarray  # (T_padded,) int64
     slots: np.ndarray  # (T_padded,) int64; padding -> DUMMY_SLOT
@@ -126,10 +115,10 @@ def host_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], page_size: int,
                 logits_idx.append(end - 1)
             ends.append(len(logits_idx))
         idx, row_ends = np.asarray(logits_idx, np.int64), np.asarray(ends, np.int64)
-    else:  # each non-empty chunk's last token (vectorized: batches of many prompts)
+    else:
         live = counts > 0
         idx, row_ends = cu[1:][live] - 1, np.cumsum(live)
-    starts = np.zeros(b, np.int64)  # each chunk's rows start where the previous one's end
+    starts = np.zeros(b, np.int64)
     starts[1:] = row_ends[:-1]
     return HostBatch(
         ids=ids, positions=pos, slots=slots, cu=cu, prefix=prefix,
@@ -140,9 +129,7 @@ def host_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], page_size: int,
 
 
 def packing(key: tuple[int, int, int, int]) -> Packing:
-    """The packed layout of one batch shape (t padded tokens, n logit rows, b sequences, page
-    table width w): int64 ids, positions, slots, logit rows, last rows; int32 cu_seqlens,
-    prefix lengths, page table."""
+    """Layout of shape (t padded tokens, n logit rows, b sequences, w page-table width)."""
     t, n, b, w = key
     return Packing.of((t, t, t, n, b), (b + 1, b, b * w))
 
@@ -161,8 +148,7 @@ def _fill(h: HostBatch, host: tuple) -> None:
 def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
                 device: torch.device | str, pad_to: int | None = None,
                 staging: BatchStaging | None = None) -> PrefillBatch:
-    """Flatten chunks onto the device; pad ids/positions/slots to `pad_to`. The batch crosses
-    in ONE copy (`packing`), through `staging`'s reused buffers if given, else fresh ones."""
+    """Flatten chunks onto the device in ONE copy, padded to `pad_to`; via `staging` if given."""
     h = host_batch(chunks, kv.page_size, pad_to)
     key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
     if staging is not None:
@@ -172,8 +158,7 @@ def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
         p = packing(key)
         words = torch.empty(p.words, dtype=torch.int64, pin_memory=device.type == "cuda")
         _fill(h, _views(p, words.numpy(), key))
-        # NOTE: non_blocking from pinned memory is a true async copy; the caching host
-        # allocator keeps `words` from being reused until the copy has finished.
+        # NOTE: an async copy; the caching host allocator keeps `words` until it finishes
         dev = _views(p, words.to(device, non_blocking=True), key)
     ids, pos, slots, logits, last, cu, prefix, table = dev
     meta = ForwardMeta(cu_seqlens_q=cu, prefix_lens=prefix, page_table=table,
@@ -184,15 +169,7 @@ def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
 
 
 class BatchStaging:
-    """Reused buffers for a CUDA runner's batches: one pinned host and one device buffer of
-    int64 words (grown when a batch needs more), each batch shape's views cut once. A batch
-    then costs no allocation, and its tensors sit at addresses fixed by its shape
-    (`PrefillBatch.layout`), so a runner can reuse the attention launch it bound for an earlier
-    batch of that shape.
-
-    NOTE: a batch's device tensors are valid until the next batch is staged: its kernels are
-    queued before that batch's copy (one stream), and the host waits for the previous copy
-    to leave the pinned buffer before refilling it."""
+    """Reused buffers: addresses fixed per shape, valid only until the next batch is staged."""
 
     MAX_SHAPES = 256  # cached view sets; past this the cache starts over
 
@@ -206,8 +183,7 @@ class BatchStaging:
         self._views: dict[tuple, tuple] = {}
 
     def stage(self, h: HostBatch, key: tuple[int, int, int, int]) -> tuple:
-        """Write batch `h` (of shape `key`) into the pinned buffer, queue its one copy on the
-        current stream, and return the device views it lands in."""
+        """Fill the pinned buffer with `h`, queue its copy on the current stream; device views."""
         host, dev, dst, src = self._views.get(key) or self._cut(key)
         if self._copied is not None:
             self._copied.synchronize()  # the previous batch's copy has left the buffer
@@ -218,8 +194,7 @@ class BatchStaging:
         return dev
 
     def _cut(self, key: tuple[int, int, int, int]) -> tuple:
-        """(host views, device views, copy destination, copy source) of one batch shape,
-        growing the buffers first if it needs more words."""
+        """(host views, device views, copy dst, copy src) of one shape; grows the buffers."""
         p = packing(key)
         if p.words > self._dev.numel():  # grow (the old buffers live on in earlier batches)
             size = max(p.words, 2 * self._dev.numel(), 1 << 14)

@@ -1,22 +1,16 @@
-"""CUDA-graph buckets: the token-count ladder, padding to a bucket, and when a batch runs eagerly.
-
-The default ladder follows SGLang's prefill ladder: step 4 up to 32, 16 up to 256, 32 up to 512,
-64 up to 1024, 256 up to 4096, 512 beyond. It is capped at min(CUDA_GRAPH_MAX_TOKENS,
-MAX_PREFILL_TOKENS), and the cap itself becomes the last bucket so the largest batch can replay.
-"""
+"""CUDA-graph buckets: the token-count ladder (SGLang's), padding, and when to run eagerly."""
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
 
-# (upper bound, step) of each stretch of the default ladder; the last step repeats to the cap.
+# (upper bound, step) of each stretch of the default ladder; then _TAIL_STEP up to the cap
 _LADDER = ((32, 4), (256, 16), (512, 32), (1024, 64), (4096, 256))
 _TAIL_STEP = 512
 
 
 def default_ladder(max_tokens: int) -> tuple[int, ...]:
-    """SGLang-like ladder up to `max_tokens` (inclusive), with `max_tokens` as the last bucket."""
     if max_tokens <= 0:
         return ()
     out: list[int] = []
@@ -47,11 +41,7 @@ def resolve_buckets(explicit: tuple[int, ...] | None, cuda_graph_max_tokens: int
 
 @dataclass(frozen=True)
 class Buckets:
-    """A sorted ladder. A batch of n tokens replays bucket `pad_to_bucket(n)` when `use_graph(n)`.
-
-    Eager when n exceeds the largest bucket, or when the bucket would more than double n
-    (e.g. buckets (4, 16): 5 tokens → eager since 16 > 2·5; 8 tokens → graph, 16 ≤ 2·8).
-    """
+    """A sorted ladder; n tokens replay `pad_to_bucket(n)` unless that more than doubles n."""
 
     sizes: tuple[int, ...]
 
@@ -70,7 +60,6 @@ class Buckets:
         return iter(self.sizes)
 
     def pad_to_bucket(self, n: int) -> int | None:
-        """Smallest bucket ≥ n, or None when n exceeds the largest."""
         i = bisect.bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) else None
 
@@ -79,5 +68,5 @@ class Buckets:
         return n > 0 and bucket is not None and bucket <= 2 * n
 
     def capture_order(self) -> tuple[int, ...]:
-        """Largest first: later (smaller) captures carve the shared pool's freed blocks."""
+        """Largest first: smaller captures reuse the shared pool's freed blocks."""
         return tuple(reversed(self.sizes))

@@ -1,21 +1,6 @@
 """Static buffers of the graph runners: one max-size set, allocated once, sliced per bucket.
 
-Everything a captured step reads or writes is a slice of these, so a step allocates nothing and
-every bucket shares the same storage. Lifetimes within one layer let three roles share the
-`arena`:
-
-    dense step (post i-1, pre i)       attention i (eager)
-    attn ──o_proj──> hidden ⟳ norm     qkv ──attention──> attn
-    hidden ──gate_up──> arena (2F)     (qkv and attn: disjoint parts of the arena,
-    silu in place ──down──> hidden      both dead before gate_up overwrites them)
-    hidden ⟳ add+norm ──qkv──> qkv
-
-The arena is sized for attention, rows·(qkv + attn), not for the MLP's rows·2F (2-3x wider in
-real models): the MLP runs in row chunks of at most `mlp_rows` rows, all rows when they fit,
-else as many as fit rounded down to a multiple of 16 and at least MLP_MIN_ROWS (the arena grows
-to that: smaller chunks cost the large buckets GEMM efficiency). Chunk shapes are fixed per
-bucket, so the loop is captured like any step.
-"""
+The `arena` holds qkv and attn during attention, then the MLP's gate|up in row chunks."""
 
 from __future__ import annotations
 
@@ -27,13 +12,12 @@ from service.model.config import ModelConfig
 from service.model.layers import MLP_ROW_ALIGN
 from service.model.llama import Activations
 
-MLP_MIN_ROWS = 4096  # fewest rows an MLP chunk may have
+MLP_MIN_ROWS = 4096
 
 
 def mlp_chunk_rows(arena_elems: int, mlp_width: int, max_tokens: int,
                    min_rows: int = MLP_ROW_ALIGN) -> int:
-    """Rows of MLP scratch (gate|up, `mlp_width` wide) the arena holds: all `max_tokens` when
-    they fit, else as many as fit rounded down to MLP_ROW_ALIGN, never fewer than `min_rows`."""
+    """MLP scratch rows the arena holds: all `max_tokens`, else a multiple of MLP_ROW_ALIGN."""
     fit = arena_elems // mlp_width
     if fit >= max_tokens:
         return max_tokens
@@ -43,15 +27,14 @@ def mlp_chunk_rows(arena_elems: int, mlp_width: int, max_tokens: int,
 
 @dataclass
 class StaticBuffers:
-    """`row_factor` MLP rows per token (a gather of several ranks' rows into one MLP): those run
-    unchunked, `row_factor`·n scratch rows per bucket."""
+    """`row_factor` > 1: MLP rows per token of a DP gather, run unchunked."""
 
     max_tokens: int
     input_ids: torch.Tensor
     positions: torch.Tensor
     residual: torch.Tensor
     hidden: torch.Tensor
-    arena: torch.Tensor  # flat
+    arena: torch.Tensor
     qkv_width: int
     attn_width: int
     mlp_width: int  # gate|up output features
@@ -76,7 +59,6 @@ class StaticBuffers:
                    zeros(m, d), zeros(arena), qkv_w, attn_w, mlp_width, mlp_rows, row_factor)
 
     def views(self, n: int) -> Activations:
-        """Bucket n's slices, built once (a graph forward asks for them every time)."""
         if n not in self._views:
             self._views[n] = self._slice(n)
         return self._views[n]

@@ -1,10 +1,4 @@
-"""Start-up on CUDA: measure the eager activation peak, capture every graph, then size the KV
-pool from the memory then free (service.engine.memory's formula).
-
-A scratch pool of two pages serves attention during warm-up and capture (every capture row's KV
-goes to its dummy page) and is freed before sizing; captured graphs never touch the real pool,
-which is allocated afterwards at its final address.
-"""
+"""Start-up on CUDA: eager peak, capture every graph (on a scratch pool), then size the KV pool."""
 
 from __future__ import annotations
 
@@ -37,8 +31,6 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Graphs:
-    """The graph runners of one engine, captured and reported together."""
-
     breakable: BreakableRunner
     full: FullGraphRunner | None = None
 
@@ -85,12 +77,10 @@ def capture_and_size(model: LlamaModel, graphs: Graphs | None, fallback: Runner,
                      stream: torch.cuda.Stream | None, reader: MemoryReader, free_before: int,
                      weights_bytes: int, fraction: float, page_size: int,
                      max_prefill_tokens: int) -> tuple[MemoryReport, KVPlan]:
-    """Measure the eager peak of one `max_prefill_tokens` batch on `fallback`, capture the
-    graphs, then size the KV pool. Raises InsufficientMemory when the pool would get nothing;
-    the caller allocates the pool."""
+    """Measure the eager peak, capture, plan the KV pool; InsufficientMemory if it gets nothing."""
     cfg, dtype = model.cfg, model.dtype
     device = model.embed_tokens.weight.device
-    with on_stream(stream):  # the dummy page + one, on the stream that uses it
+    with on_stream(stream):
         scratch = KVPool(cfg, page_size, page_size, dtype, device)
     batch = capture_chunks(max_prefill_tokens, model.max_positions, page_size)
     with on_stream(stream):

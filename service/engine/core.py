@@ -1,12 +1,6 @@
 """EngineCore: load → capture → size the KV pool → warm up → forward batches.
 
-No HTTP, no metrics here: the scheduler drives it from one worker thread, and what it exposes is
-plain numbers (`MemoryReport`, `info()`, `forward_counts`). A forward goes to the first runner
-that accepts the batch: full graph, breakable graphs, eager (service.engine.runners). On CUDA
-the KV pool is allocated after graph capture from the memory then free
-(service.engine.capture); without a GPU the same code runs eagerly on the PyTorch reference
-kernels and the pool is sized from KV_CACHE_BYTES.
-"""
+A forward goes to the first runner that accepts it: full graph, breakable graphs, eager."""
 
 from __future__ import annotations
 
@@ -57,11 +51,6 @@ class ForwardOutput(NamedTuple):
 
 def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_positions: int
                     ) -> list[list[SeqChunk]]:
-    """EngineCore.warm_up's batches, every KV row on the dummy page, each prompt after a
-    one-page cached prefix: more prompts than a full graph takes (the breakable path's eager
-    LM head, small attention tiles); one prompt of more new tokens than the small tiles cover;
-    one at the row count where the table's tiles read with TMA (tile_thresholds). Those that do
-    not fit the batch budget or the context are left out."""
     def prompt(n: int) -> SeqChunk:
         return SeqChunk.of([1] * n, page_size, [0] * pages_for(page_size + n, page_size))
 
@@ -73,8 +62,7 @@ def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_pos
 
 
 class EngineCore:
-    """`loaded` injects a model (tests); `memory_reader` fakes device memory; `dp_group` makes
-    this process one rank of a data-parallel group (every rank calls `forward` in lockstep)."""
+    """With `dp_group`, every rank calls `forward` in lockstep."""
 
     def __init__(self, cfg: EngineConfig, *, loaded: LoadedModel | None = None,
                  memory_reader: MemoryReader | None = None, dp_group: DPGroup | None = None):
@@ -95,7 +83,7 @@ class EngineCore:
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.graphs, self.runners = self._runners(dp_group)
         self.forward_counts = {"graph": 0, "eager": 0}
-        self.runs = {r.name: 0 for r in self.runners}  # forwards per runner
+        self.runs = {r.name: 0 for r in self.runners}
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         context = min(cfg.max_prompt_tokens, self.model.max_positions)
         if reader is not None:
@@ -123,8 +111,7 @@ class EngineCore:
         self._log_ready()
 
     def _runners(self, dp_group: DPGroup | None) -> tuple[Graphs | None, list[Runner]]:
-        """The graph runners (None off CUDA or with graphs off) and every runner, in the order
-        a forward asks them."""
+        """The graph runners (None without graphs) and every runner, in the order asked."""
         cfg = self.cfg
         sizes = (resolve_buckets(cfg.cuda_graph_buckets, cfg.cuda_graph_max_tokens,
                                  cfg.max_prefill_tokens) if self.stream is not None else ())
@@ -163,11 +150,7 @@ class EngineCore:
                  gib(m.reserve_bytes), m.mem_fraction_static)
 
     def warm_up(self) -> None:
-        """Compile, before the first request, the kernel variants that capture does not reach,
-        so that no request waits for Triton's JIT: the breakable path's eager LM-head reductions
-        and attention over a cached prefix, with the small- and the large-batch tiles. The
-        forwards write KV only to the dummy page and are not counted. Not with data parallelism
-        (ranks would have to warm up in lockstep: they compile on their first batches)."""
+        """Compile the kernel variants capture does not reach, so no request waits for the JIT."""
         graphs = self.graphs
         if graphs is None or not graphs.buckets or isinstance(self.runners[0], DPRunner):
             return
@@ -203,8 +186,7 @@ class EngineCore:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
-        """Logits stay on the device; every chunk's last row (the first token needs it) is
-        reduced there in one batch and only that summary crosses to the host."""
+        """Logits stay on the device; only each chunk's last-row summary crosses to the host."""
         t0 = time.perf_counter()
         tokens = sum(c.num_tokens for c in chunks)
         assert tokens <= self.max_batch_tokens, (
@@ -215,11 +197,10 @@ class EngineCore:
         self.forward_counts[mode] += 1
         self.runs[runner.name] += 1
         rows = batch.logits_rows
-        if batch.summary is not None:  # reduced inside a full graph
+        if batch.summary is not None:
             last = unpack(batch.summary)
         elif rows:
-            # (B, vocab): every chunk's last row. NOTE: a device index; a Python list would be
-            # copied from pageable memory, which waits for the whole forward.
+            # NOTE: a device index; a Python list would wait for the whole forward
             last = last_rows(logits.index_select(0, batch.last_rows))
         else:
             last = []
@@ -228,9 +209,7 @@ class EngineCore:
 
     def prefill_chunked(self, token_ids: list[int], chunk_tokens: int | None = None
                         ) -> torch.Tensor:
-        """One prompt, prefilled `chunk_tokens` at a time, each chunk attending to the KV the
-        earlier ones wrote; returns the last token's logits (vocab,) on the model's device. For
-        tests and benches: the scheduler splits long prompts itself."""
+        """One prompt prefilled `chunk_tokens` at a time (tests, benches); last logits (vocab,)."""
         step = chunk_tokens or self.max_batch_tokens
         pages = self.pool.allocator.alloc(pages_for(len(token_ids), self.pool.page_size))
         try:
@@ -245,7 +224,6 @@ class EngineCore:
             self.pool.allocator.free(pages)
 
     def close(self) -> None:
-        """Free the graphs, their pool and the static buffers (the KV pool stays readable)."""
         if self.graphs is not None:
             self.graphs.close()
         if self.device.type == "cuda":

@@ -1,23 +1,6 @@
 """Data-parallel attention with a gathered, tensor-parallel MLP (SGLang's DP attention).
 
-Every rank holds the full attention weights and runs attention for its own requests. The MLP
-weights are sharded across ranks (gate/up rows, down columns). Before each MLP the ranks
-all-gather their normed hidden rows, each padded to the same row count (the bucket, or the
-largest rank's token count), every rank computes its MLP shard for all rows, and a
-reduce-scatter sums the shards and hands each rank back its own rows. A rank without requests
-still joins every collective with padding rows only.
-
-The per-rank token counts and the gather length are the *capture-only* tensors of the DP path
-(SGLang's `global_num_tokens_gpu` / `global_dp_buffer_len`): a captured MLP segment records
-their addresses (it zeroes the padding rows with them), so the graph backend keeps exactly
-these small tensors per bucket — nothing else of the capture batch.
-
-`DPRunner` is this path's runner: every rank calls it in lockstep (an empty batch is fine); it
-runs breakable graphs when every rank's batch fits a bucket, else an eager forward. No folded
-norms and no full graphs here. World size 1 needs no process group (collectives are identities;
-graphs and capture-only tensors are real). NCCL on GPUs; gloo on CPU (which has no
-reduce-scatter: all-reduce + slice).
-"""
+Every rank runs `DPRunner` in lockstep, even with an empty batch."""
 
 from __future__ import annotations
 
@@ -50,7 +33,6 @@ class DPGroup:
         self.backend = dist.get_backend(pg) if pg is not None else "none"
 
     def all_gather_counts(self, n: int) -> list[int]:
-        """Every rank's token count for this step (host ints; one tiny collective)."""
         if self.world == 1:
             return [n]
         mine = torch.tensor([n], dtype=torch.int64, device=self.comm_device)
@@ -75,8 +57,7 @@ class DPGroup:
 
 
 def close_dp(group: DPGroup) -> None:
-    """Leave the process group `init_dp` joined, every rank together: a barrier first, so no
-    rank destroys its group (or rank 0 the TCP store) while another is still in a collective."""
+    """Leave the process group; NOTE: a barrier first, so no rank leaves mid-collective."""
     if group.pg is None:
         return
     dist.barrier(group=group.pg)
@@ -84,7 +65,6 @@ def close_dp(group: DPGroup) -> None:
 
 
 def init_dp(rank: int, world: int, backend: str, init_method: str) -> DPGroup:
-    """Join the default process group (one process per rank) and return this rank's group."""
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     comm = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     return DPGroup(rank, world, dist.group.WORLD, comm)
@@ -92,8 +72,7 @@ def init_dp(rank: int, world: int, backend: str, init_method: str) -> DPGroup:
 
 @dataclass(frozen=True)
 class DPCaptureInputs:
-    """The capture-only tensors, packed in one small int32 device tensor (one allocator block):
-    [gather_len, n_0, ..., n_{world-1}]."""
+    """The capture-only tensors in one int32 device tensor: [gather_len, n_0, ..., n_{w-1}]."""
 
     packed: torch.Tensor  # (world + 1,) int32
 
@@ -110,7 +89,6 @@ class DPCaptureInputs:
         return self.packed[1:]
 
     def fill(self, counts: list[int], rows: int) -> None:
-        """Write a live step's counts into these (recorded) addresses before a replay."""
         host = torch.tensor([len(counts) * rows, *counts], dtype=torch.int32)
         self.packed.copy_(host, non_blocking=False)
 
@@ -121,8 +99,6 @@ class DPCaptureInputs:
 
 @dataclass(frozen=True)
 class DPTokens:
-    """One rank's view of a data-parallel step: rows per rank, counts, optional static buffers."""
-
     group: DPGroup
     rows: int  # rows each rank contributes to the gather (bucket, or the largest count)
     inputs: DPCaptureInputs
@@ -131,7 +107,6 @@ class DPTokens:
 
 
 def mask_padding(rows: torch.Tensor, dp: DPTokens) -> None:
-    """Zero every padding row of the gathered (world·n, D) rows, in place, from the counts."""
     w, n = dp.group.world, dp.rows
     idx = torch.arange(w * n, device=rows.device, dtype=torch.int32).view(w, n)  # (w, n)
     local = idx - idx[:, :1]  # row index within its rank's block
@@ -140,15 +115,12 @@ def mask_padding(rows: torch.Tensor, dp: DPTokens) -> None:
 
 
 class DPStep:
-    """The data-parallel step the sharded MLPs serve: set by DPRunner before each forward and
-    capture, read by every layer's DPMLP."""
+    """Set by DPRunner before each forward and capture; read by every layer's DPMLP."""
 
     tokens: DPTokens | None = None
 
 
 class DPMLP(nn.Module):
-    """This rank's MLP shard; forward gathers all ranks' rows and scatters the sum back."""
-
     def __init__(self, mlp: MLP, group: DPGroup, step: DPStep):
         super().__init__()
         inter = mlp.down_proj.in_features
@@ -188,15 +160,13 @@ class DPMLP(nn.Module):
 
 
 def shard_mlp(model: LlamaModel, group: DPGroup, step: DPStep) -> None:
-    """Replace every layer's MLP by this rank's shard (frees the other ranks' weight rows)."""
     for layer in model.layers:
         if not isinstance(layer.mlp, DPMLP):
             layer.mlp = DPMLP(layer.mlp, group, step)
 
 
 class DPRunner(BreakableRunner):
-    """One rank of a data-parallel forward: breakable graphs when the largest rank's batch fits
-    a bucket (every rank replays that bucket, padded), else eager; `backend` None: eager only."""
+    """Graphs when the largest rank's batch fits a bucket, else eager; `backend` None: eager."""
 
     name = "dp"
 
@@ -211,7 +181,7 @@ class DPRunner(BreakableRunner):
     def allocate(self) -> StaticBuffers:
         w, m = self.group.world, self.buckets.largest
         width = self.model.layers[0].mlp.gate_up_proj.weight.shape[0]
-        if w > 1:  # the collectives' static ends
+        if w > 1:
             self.gathered = torch.zeros(w * m, self.cfg.hidden_size, dtype=self.dtype,
                                         device=self.device)
             self.partial = torch.zeros_like(self.gathered)
@@ -226,7 +196,7 @@ class DPRunner(BreakableRunner):
     def capture_inputs(self, n: int, v: Activations) -> DPCaptureInputs:
         inputs = DPCaptureInputs.new([n] * self.group.world, n, self.device)
         self.step.tokens = self._tokens(n, inputs)
-        return inputs  # the retention gate: kept with the graphs, and nothing else
+        return inputs
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
         return True  # every rank must take the same path: `run` decides after the counts

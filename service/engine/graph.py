@@ -1,20 +1,4 @@
-"""Breakable CUDA graphs: a forward's dense steps captured per shape, its attention replayed
-eagerly between them.
-
-`capture(key, run, attend)` calls `run(steps)` twice (LlamaModel.run is such a function): once
-eagerly to warm up (kernels load, cuBLAS picks its algorithms), then recording: each
-`steps.dense(fn)` becomes a CUDA graph in ONE memory pool shared by every shape, captured
-largest shape first by the caller, and each `steps.attention(layer)` is kept as a layer index.
-`replay(key, attend)` replays the graphs and calls `attend(layer)` at each recorded attention
-step, so the attention of the live batch (its own grid and metadata) runs between them.
-`capture_whole(key, fn)` captures `fn` as one graph (the full graphs: attention inside).
-
-`keep` retains, per shape, the capture-only tensors whose addresses a graph recorded (the
-data-parallel gather counts), and nothing else of the capture batch.
-
-`SegmentBackend` is the device-free base ("capturing" keeps the function), which the CPU tests
-drive; `CudaGraphBackend` overrides the hooks that touch CUDA.
-"""
+"""Graph backends: dense steps captured per shape into ONE shared pool, attention run between."""
 
 from __future__ import annotations
 
@@ -32,8 +16,6 @@ Attend = Callable[[int], None]
 
 
 class _Recording:
-    """Dense steps become graphs; attention steps run (between captures) and are recorded."""
-
     def __init__(self, backend: SegmentBackend, key: Hashable, attend: Attend):
         self.backend, self.key, self.attend = backend, key, attend
         self.steps: list[Step] = []
@@ -47,8 +29,7 @@ class _Recording:
 
 
 def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
-    """Bytes of the distinct tensor storages reachable from obj (dataclasses, tuples, dicts),
-    as the CUDA allocator holds them (rounded up to its 512 B blocks)."""
+    """Bytes of the distinct tensor storages reachable from obj, in 512 B CUDA blocks."""
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
         st = obj.untyped_storage()
@@ -68,15 +49,12 @@ def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
 
 
 class SegmentBackend:
-    """Device-free breakable backend: 'capturing' keeps the function; replay calls it."""
-
     def __init__(self) -> None:
         self._steps: dict[Hashable, list[Step]] = {}
         self._whole: set[Hashable] = set()
         self._retained: dict[Hashable, Any] = {}
         self.capture_seconds = 0.0
 
-    # -- hooks a device backend overrides -------------------------------------------------------
     def _capture_dense(self, fn: Callable[[], None], key: Hashable) -> Step:
         return ("dense", fn)
 
@@ -86,13 +64,12 @@ class SegmentBackend:
     def _release(self) -> None:
         pass
 
-    # -- capture --------------------------------------------------------------------------------
     def capture(self, key: Hashable, run: Callable[[Any], None], attend: Attend,
                 keep: Any = None) -> None:
         assert key not in self._steps, f"shape {key!r} captured twice"
         t0 = time.perf_counter()
         with self._context():
-            run(Eager(attend))  # warm-up
+            run(Eager(attend))
             rec = _Recording(self, key, attend)
             run(rec)
         self._steps[key] = rec.steps
@@ -105,15 +82,13 @@ class SegmentBackend:
         assert key not in self._steps, f"shape {key!r} captured twice"
         t0 = time.perf_counter()
         with self._context():
-            fn()  # warm-up
+            fn()
             self._steps[key] = [self._capture_dense(fn, key)]
         self._whole.add(key)
         self.capture_seconds += time.perf_counter() - t0
 
-    # -- replay ---------------------------------------------------------------------------------
     def replay(self, key: Hashable, attend: Attend | None = None) -> None:
-        """A whole graph launches on the caller's current stream; a breakable one's steps run
-        on the backend's stream, `attend(layer)` at each attention step."""
+        """A whole graph runs on the caller's stream; a breakable one on the backend's."""
         steps = self._steps[key]
         if key in self._whole:
             self._run(steps[0])
@@ -132,7 +107,6 @@ class SegmentBackend:
         else:
             step[1]()
 
-    # -- what was captured ----------------------------------------------------------------------
     def has(self, key: Hashable) -> bool:
         return key in self._steps
 
@@ -154,7 +128,6 @@ class SegmentBackend:
         return self._retained.get(key)
 
     def retained_bytes(self) -> int:
-        """Bytes of the capture inputs kept alive (distinct storages)."""
         seen: set[int] = set()
         return sum(tensor_bytes(x, seen) for x in self._retained.values())
 
@@ -166,8 +139,7 @@ class SegmentBackend:
 
 
 class CudaGraphBackend(SegmentBackend):
-    """Dense steps as CUDA graphs in one shared pool; warm-up, capture and replay on `stream`
-    (one stream for all, and for the engine's eager work: one cuBLAS workspace)."""
+    """Dense steps as CUDA graphs in one pool; all on `stream` (one cuBLAS workspace)."""
 
     def __init__(self, stream: torch.cuda.Stream):
         super().__init__()

@@ -1,6 +1,4 @@
-"""What the HTTP API may know of the engine, as plain data: `EngineInfo`, fixed once the engine
-has loaded, and `EngineStats`, read at any time. The scheduler hands both out (with submit,
-cancel, abort and readiness); the API never reads the engine's attributes."""
+"""What the HTTP API may know of the engine, as plain data; it never reads the engine itself."""
 
 from __future__ import annotations
 

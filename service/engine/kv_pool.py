@@ -46,8 +46,6 @@ class PageAllocator:
 
 
 class KVPool:
-    """K and V tensors of every layer, sized in whole pages, plus the page allocator."""
-
     def __init__(self, cfg: ModelConfig, num_tokens: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str):
         num_pages = pages_for(num_tokens, page_size) + 1  # + the dummy page
@@ -67,7 +65,6 @@ class KVPool:
 
     @property
     def used_tokens(self) -> int:
-        """Tokens' worth of pages in use (whole pages)."""
         return (self.allocator.capacity - self.allocator.num_free) * self.page_size
 
     @property

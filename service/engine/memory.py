@@ -1,14 +1,5 @@
-"""Post-capture KV sizing with SGLang's meaning of MEM_FRACTION_STATIC.
-
-    free_before  free device memory before the weights load
-    reserve    = (1 − MEM_FRACTION_STATIC) × free_before   (activations, eager path, logits)
-    kv_bytes   = free_now − reserve                       (free_now: after capture)
-    kv_tokens  = kv_bytes // bytes_per_token, in whole pages
-
-So weights + graphs + KV = MEM_FRACTION_STATIC × free_before, and every byte the capture saves
-goes to the KV pool. The pool is allocated after capture (service.engine.capture); device memory
-is read through an injectable `MemoryReader`, so CPU tests can script it.
-"""
+"""Post-capture KV sizing with SGLang's meaning of MEM_FRACTION_STATIC: the KV pool gets
+free_after_capture − (1 − MEM_FRACTION_STATIC) × free_before_weights."""
 
 from __future__ import annotations
 
@@ -31,8 +22,6 @@ class InsufficientMemory(Exception):
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Every term of the memory budget, in bytes (plain numbers for /info and /metrics)."""
-
     free_before_bytes: int
     weights_bytes: int
     capture_bytes: int
@@ -69,16 +58,14 @@ class KVPlan:
 
 def plan_kv(free_before: int, free_now: int, fraction: float, cfg: ModelConfig,
             dtype_bytes: int, page_size: int, granule: int = ALLOC_GRANULE) -> KVPlan:
-    """KV budget after capture. The pool is 2·layers tensors of (slots, kv_heads, head_dim),
-    each rounded up to `granule` by the allocator, plus one dummy page; `tokens` fits in
-    kv_bytes with both accounted for."""
+    """KV budget after capture; `tokens` accounts for the dummy page and `granule` rounding."""
     reserve = math.ceil((1.0 - fraction) * free_before - 1e-6)  # never under-reserve
     kv_bytes = free_now - reserve
     bpt = cfg.kv_bytes_per_token(dtype_bytes)
     ideal = max(kv_bytes, 0) // bpt // page_size * page_size
     per_tensor = max(kv_bytes, 0) // (2 * cfg.num_layers) // granule * granule
     slots = per_tensor // (cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
-    tokens = max(slots // page_size - 1, 0) * page_size  # minus the dummy page
+    tokens = max(slots // page_size - 1, 0) * page_size
     return KVPlan(reserve, kv_bytes, ideal, tokens)
 
 

@@ -1,7 +1,4 @@
-"""A batch's small tensors packed into one buffer of int64 words, so it crosses to the device in
-ONE copy: int64 segments first, then int32 segments, each starting on an `align`-byte boundary
-(the kernels are specialized on 16-byte alignment). Batch staging and the full graphs' buffers
-both cut their views with it."""
+"""A batch's small tensors in one int64 buffer (segments `align`-byte aligned): ONE copy."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ class Packing:
     base32: int  # the word where the int32 segments start
     offsets32: tuple[int, ...]  # int32 elements from base32
     sizes32: tuple[int, ...]
-    words: int  # in all
+    words: int
 
     @classmethod
     def of(cls, sizes64: Sequence[int], sizes32: Sequence[int], align: int = 16) -> Packing:
@@ -40,13 +37,11 @@ class Packing:
                    base32 + -(-at // 2))
 
     def cut(self, words: torch.Tensor | np.ndarray) -> tuple:
-        """The segments as views of `words` (an int64 torch tensor or numpy array): the int64
-        ones, then the int32 ones."""
+        """The segments as views of int64 `words` (torch or numpy), int64 ones first."""
         i32 = words[self.base32:].view(np.int32 if isinstance(words, np.ndarray) else torch.int32)
         return (*(words[o:o + n] for o, n in zip(self.offsets64, self.sizes64)),
                 *(i32[o:o + n] for o, n in zip(self.offsets32, self.sizes32)))
 
     def words_to(self, segment32: int, elems: int) -> int:
-        """Words from the start through the first `elems` of int32 segment `segment32`: what a
-        copy of a partly filled last segment must move."""
+        """Words through the first `elems` of int32 segment `segment32`."""
         return self.base32 + -(-(self.offsets32[segment32] + elems) // 2)

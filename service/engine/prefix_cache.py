@@ -1,12 +1,6 @@
 """Page-granular prefix cache: full KV pages keyed by a hash chain of their token ids.
 
-A page's key hashes its parent's key and its own `page_size` token ids, so equal keys mean equal
-tokens at equal positions, hence equal K/V. Pages are refcounted by the requests holding them; at
-refcount 0 a cached page stays in the pool, evictable in LRU order, and counts as free for
-admission. Only pages whose KV a completed forward wrote are inserted, and never a partial page.
-
-Single writer: the engine thread (it also owns the page allocator).
-"""
+Pages are refcounted; cached ones at refcount 0 stay, evictable in LRU order; engine thread only."""
 
 from __future__ import annotations
 
@@ -19,9 +13,8 @@ from service.engine.kv_pool import KVPoolExhausted, PageAllocator
 
 
 def page_keys(token_ids, page_size: int) -> list[bytes]:
-    """Chain keys of every full page of `token_ids` (a sequence of ints or an int64 array: the
-    same keys; each page hashes its ids as native int64 bytes)."""
-    ids = np.asarray(token_ids, dtype=np.int64)  # no copy for a Prompt's array
+    """Chain keys of every full page of `token_ids` (ints or an int64 array: the same keys)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
     data = memoryview(ids).cast("B")
     step = page_size * ids.itemsize
     keys, parent = [], b""
@@ -46,7 +39,6 @@ class PrefixCache:
 
     @property
     def used_pages(self) -> int:
-        """Pages held by in-flight requests."""
         return self.allocator.capacity - self.allocator.num_free - len(self._lru)
 
     @property
@@ -69,7 +61,6 @@ class PrefixCache:
         return pages
 
     def alloc(self, n: int) -> list[int]:
-        """`n` fresh pages, evicting least-recently-used cached pages if the free list is short."""
         short = n - self.allocator.num_free
         if short > len(self._lru):
             raise KVPoolExhausted(f"need {n} KV pages, {self.available_pages} free or evictable")
@@ -94,8 +85,7 @@ class PrefixCache:
     def release(self, pages: list[int]) -> None:
         """A request lets go of its pages: cached ones may become evictable, private ones free."""
         private = []
-        # Last page first into the LRU, so it is evicted first: keys chain from the page before,
-        # so losing a prompt's first page would strand every later page of it.
+        # NOTE: last page first into the LRU: evicting a first page would strand the later ones
         for page in reversed(pages):
             if page in self._key_of:
                 self._refs[page] -= 1
@@ -107,6 +97,5 @@ class PrefixCache:
         self.allocator.free(private)
 
     def clear(self) -> None:
-        """Drop every unreferenced cached page back to the allocator (shutdown)."""
         while self._lru:
             self._evict_oldest()

@@ -20,7 +20,7 @@ from service.engine.sampling import (
 
 
 class QueueFull(Exception):
-    """Too many prompts are waiting; retry after `retry_after_s` (the queue's expected wait)."""
+    """Too many prompts are waiting; retry after `retry_after_s`."""
 
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message)
@@ -32,7 +32,7 @@ class NotReady(Exception):
 
 
 class ForwardFailed(Exception):
-    """The forward of this request's batch raised; other batches are unaffected."""
+    """The forward of this request's batch raised."""
 
 
 class Observer(Protocol):
@@ -59,8 +59,7 @@ class Prompt:
                  loop: asyncio.AbstractEventLoop):
         assert token_ids, "a request needs at least one token"
         self.token_ids = tuple(token_ids)
-        # NOTE: built here, where the prompt arrives (the HTTP event loop), not on the engine
-        # thread: its chunks are views of it (SeqChunk.ids), and so are its prefix-cache keys
+        # NOTE: built here, off the engine thread; chunks and cache keys are views of it
         self.ids = token_array(self.token_ids)
         self.params = params
         self.loop = loop
@@ -87,10 +86,9 @@ class Prompt:
 
     def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow
                ) -> PromptResult | None:
-        """Account chunk `c` (its KV is written and `done` advanced): its device logits and the
-        host summary of its last row; return the result once the whole prompt is in."""
+        """Absorb chunk `c` (`done` already advanced); returns the result once the prompt is in."""
         last = self.done == self.num_tokens
-        if self.params.prompt_logprobs:  # row i predicts the token after chunk position i
+        if self.params.prompt_logprobs:
             targets = list(self.token_ids[c.prefix_len + 1:self.done])
             if not last:
                 targets.append(self.token_ids[self.done])

@@ -1,15 +1,6 @@
 """First-token sampling and logprobs from fp32 logits; no HTTP, no metrics.
 
-The reductions (log_softmax, argmax, top-k, gathers) run where the logits live, on the device in
-production, and only their small results are copied to the host: copying (rows, vocab) fp32
-through pageable memory and reducing it on the CPU cost more than the forward (64 rows of a
-152k vocab are 39 MB). Only seeded sampling copies one row, to draw on the CPU as before.
-
-Reported logprobs are those of the model's own distribution (fp32 log_softmax of the raw
-logits), not of the temperature/top-p/top-k-processed one, as vLLM and SGLang report by default.
-Seeded sampling uses a per-request `torch.Generator`, so a seed gives the same token whatever
-else shares the batch.
-"""
+Logprobs are those of the raw logits; a seed draws on a per-request CPU generator."""
 
 from __future__ import annotations
 
@@ -22,8 +13,7 @@ import torch
 from kernels import ops
 
 MAX_TOP_LOGPROBS = 20
-# Prompt-logprob rows reduced per step: the fp32 log_softmax temporary stays <= 256 x vocab
-# (155 MB at a 152k vocab) however many prompt rows a forward returns.
+# Prompt-logprob rows reduced per step: bounds the fp32 (rows, vocab) log_softmax temporary
 PROMPT_ROWS_PER_STEP = 256
 
 
@@ -54,8 +44,6 @@ class TokenLogprob(NamedTuple):
 
 
 class PositionLogprobs(NamedTuple):
-    """One position: the chosen (or actual prompt) token and the top-k alternatives."""
-
     token: TokenLogprob
     top: list[TokenLogprob]
 
@@ -65,10 +53,7 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class LastRow:
-    """What the first token needs from a chunk's last row: the greedy token (argmax of the raw
-    logits, as `choose` picks it) and the top-min(MAX_TOP_LOGPROBS, vocab) logprobs, kept as
-    `summarize`'s row until asked for: most requests want none of them, and building all of
-    them cost a 128-token forward ~20 us of the H200 host's time after the GPU finished."""
+    """A chunk's last row: its greedy token, and its top-k logprobs built only when asked for."""
 
     __slots__ = ("greedy", "_row", "_k")
 
@@ -76,7 +61,6 @@ class LastRow:
         self.greedy, self._row, self._k = greedy, row, k  # row: ids at [2, 2+k), values after
 
     def top_n(self, n: int) -> list[TokenLogprob]:
-        """The best min(n, k) alternatives, best first."""
         n, r, k = min(n, self._k), self._row, self._k
         return _pairs(r[2:2 + n], r[2 + k:2 + k + n])
 
@@ -90,30 +74,22 @@ def _pairs(ids: list[float], vals: list[float]) -> list[TokenLogprob]:
 
 
 def summary_width(vocab: int) -> int:
-    """Columns of `summarize`'s output for this vocabulary."""
     return 2 + 2 * min(MAX_TOP_LOGPROBS, vocab)
 
 
 def summarize(logits: torch.Tensor, out: torch.Tensor | None = None,
               logits_out: torch.Tensor | None = None) -> torch.Tensor:
-    """What `LastRow` needs of each row of (B, V) logits, reduced where the logits live: a
-    (B, 2 + 2k) float64 tensor (greedy id, its logprob, top-k ids, top-k logprobs; exact for ids
-    and fp32 values), into `out` if given (a full CUDA graph's fixed buffer). Two launches on
-    CUDA (kernels/logits_summary.py), PyTorch elsewhere; `logits_out` (B, V) fp32 also gets
-    the logits, in the same pass."""
+    """(B, V) logits -> (B, 2 + 2k) float64: greedy id, its logprob, top-k ids, top-k logprobs."""
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
     return ops.summarize_logits(logits, k, out, logits_out)
 
 
 def unpack(packed: torch.Tensor) -> list[LastRow]:
-    """`summarize`'s rows as `LastRow`s: one copy to the host."""
     k = (packed.shape[-1] - 2) // 2
     return [LastRow(TokenLogprob(int(r[0]), r[1]), r, k) for r in packed.tolist()]
 
 
 def last_rows(logits: torch.Tensor) -> list[LastRow]:
-    """One `LastRow` per row of (B, V) logits, reduced in one batch where the logits live and
-    copied to the host as one (B, 2 + 2k) float64 tensor."""
     return unpack(summarize(logits))
 
 
@@ -124,13 +100,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick the next token from (V,) logits: argmax, or a draw after temperature/top-k/top-p.
-
-    Computed in float64 with the maximum subtracted before dividing by the temperature, so every
-    temperature > 0 and top_p > 0 that float64 can hold gives a valid distribution: a tiny
-    temperature sends every logit but the largest to -inf (greedy in the limit), and the most
-    likely token always survives top-p.
-    """
+    """Pick the next token from (V,) logits: argmax, or a draw after temperature/top-k/top-p."""
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits.double()
@@ -150,9 +120,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
 
 
 def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> PositionLogprobs:
-    """The first generated token from the last position's (V,) logits `row` and its `last_rows`
-    summary. Greedy reads only the summary; sampling copies this one row to the host and draws
-    with the seeded CPU generator, so a seed picks the same token wherever the row lives."""
+    """The first token from the last (V,) logits `row`; greedy reads only the summary."""
     top = last.top_n(params.top_logprobs)
     if params.greedy:
         return PositionLogprobs(last.greedy, top)
@@ -162,14 +130,13 @@ def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> Posi
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[PositionLogprobs]:
-    """Logprob of `targets[i]` under row i of (N, V) logits (row i predicts the next token), and
-    the top-k; reduced where the logits live, then one (N, 1 + 2k) float64 host copy."""
+    """Logprob of `targets[i]` under row i of (N, V) logits (row i predicts it), and the top-k."""
     assert logits.shape[0] == len(targets), f"{logits.shape[0]} rows for {len(targets)} targets"
     if not targets:
         return []
     tgt = torch.tensor(targets, dtype=torch.int64, device=logits.device)
     parts = []
-    for lo in range(0, len(targets), PROMPT_ROWS_PER_STEP):  # bounds the (rows, V) temporary
+    for lo in range(0, len(targets), PROMPT_ROWS_PER_STEP):
         lp = log_softmax(logits[lo:lo + PROMPT_ROWS_PER_STEP])
         vals, ids = torch.topk(lp, k, dim=-1)  # (rows, k)
         parts.append(torch.cat([lp.gather(-1, tgt[lo:lo + lp.shape[0], None]).double(),

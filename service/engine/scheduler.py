@@ -1,16 +1,7 @@
 """The engine loop: one worker thread owns the engine, batches queued prompts, resolves futures.
 
-Threads: the asyncio loop thread only calls `submit`/`cancel` (under the lock) and awaits futures;
-the engine thread loads the engine, forms batches, allocates/frees KV pages (through the prefix
-cache, the page allocator's only user) and runs every forward. Results cross back with
-`call_soon_threadsafe`.
-
-Policy: prompts already running (chunked prefill) continue first, then queued prompts are admitted
-strictly FIFO while the token budget, the prompt cap and the free (or evictable) KV pages allow. A
-prompt gets all its pages at admission, cached full pages of its prefix included, so a running
-prompt never waits for memory; a queue head that does not fit yet blocks those behind it (no
-starvation of large prompts); one that can never fit is refused at submission.
-"""
+The event loop only calls `submit`/`cancel`, under the lock. Admission is FIFO with all of a
+prompt's pages, so a running prompt never waits for memory."""
 
 from __future__ import annotations
 
@@ -42,7 +33,7 @@ __all__ = ["ForwardFailed", "NotReady", "PromptResult", "QueueFull", "Prompt", "
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 30.0  # finishing rate behind Retry-After: prompts finished this recently
+RATE_WINDOW_S = 30.0  # Retry-After's finishing rate counts prompts finished this recently
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -62,7 +53,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_batch_prompts = max_batch_prompts
         assert max_logit_rows >= 1, f"max_logit_rows must be >= 1, got {max_logit_rows}"
-        self.max_logit_rows = max_logit_rows  # all-token logits rows per forward (prompt lps)
+        self.max_logit_rows = max_logit_rows  # prompt-logprob rows per forward
         self.observer = observer or NullObserver()
         self.prefix_cache_enabled = prefix_cache
         self.cache: PrefixCache | None = None  # built with the engine (it needs the allocator)
@@ -78,7 +69,7 @@ class Scheduler:
         self.loaded: asyncio.Future[None] | None = None
         self.info: EngineInfo | None = None  # set once the engine has loaded
         self._finished: deque[float] = deque(maxlen=256)  # finish times of the latest prompts
-        self._rate = 0.0  # prompts finished per second, recently (Retry-After)
+        self._rate = 0.0
 
     # ---- loop-thread side -------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -100,7 +91,7 @@ class Scheduler:
         return self.engine.tokenizer if self.engine is not None else None
 
     def stats(self) -> EngineStats:
-        """Live numbers, read from any thread (a snapshot a forward may be updating)."""
+        """Live numbers, from any thread (a forward may be updating them)."""
         eng = self.engine
         return EngineStats(len(self._waiting), len(self._running), self.kv_used_tokens,
                            self.kv_cached_tokens,
@@ -114,12 +105,10 @@ class Scheduler:
 
     @property
     def kv_cached_tokens(self) -> int:
-        """KV tokens in published prefix-cache pages (in use or evictable)."""
         return self.cache.cached_pages * self.cache.page_size if self.cache else 0
 
     @property
     def running(self) -> int:
-        """Prompts admitted and not finished."""
         return len(self._running)
 
     @property
@@ -127,16 +116,13 @@ class Scheduler:
         return len(self._waiting) + len(self._running)
 
     def retry_after_s(self) -> int:
-        """Seconds the queue takes to drain at the recent finishing rate (1 to 60; 1 without
-        one). O(1): a 429 storm calls it for every refused request."""
+        """Seconds to drain the queue at the recent finishing rate (1 to 60); O(1)."""
         rate = self._rate
         if rate <= 0.0:
             return 1
         return min(max(math.ceil(len(self._waiting) / rate), 1), 60)
 
     def _update_rate(self, now: float) -> None:
-        """Prompts finished per second over the latest ones within RATE_WINDOW_S (engine
-        thread, after each forward)."""
         done = self._finished
         while done and now - done[0] > RATE_WINDOW_S:
             done.popleft()
@@ -144,8 +130,7 @@ class Scheduler:
         self._rate = (len(done) - 1) / span if span > 0 else 0.0
 
     def admission_error(self, prompts: int = 1) -> Exception | None:
-        """Why `prompts` more prompts cannot be queued now (NotReady, QueueFull), or None.
-        Cheap and lock-free: callers may use it to refuse before reading a request."""
+        """Why `prompts` more prompts cannot be queued now, or None; lock-free."""
         if self.state != "ready" or self._stop:
             why = f": {self.error}" if self.error else ""
             return NotReady(f"engine is {self.state}{why}")
@@ -160,7 +145,7 @@ class Scheduler:
             if (err := self.admission_error(len(reqs))) is not None:
                 raise err
             alloc, ps = self.engine.pool.allocator, self.engine.pool.page_size
-            for r in reqs:  # callers check prompts against the pool's capacity first
+            for r in reqs:
                 if pages_for(r.num_tokens, ps) > alloc.capacity:
                     raise KVPoolExhausted(
                         f"a prompt of {r.num_tokens} tokens needs {pages_for(r.num_tokens, ps)} "
@@ -169,8 +154,7 @@ class Scheduler:
             self._cv.notify()
 
     def cancel(self, req: Prompt) -> None:
-        """Client gone: a queued request never runs; a running one frees its pages after its
-        current forward."""
+        """Client gone: a running request frees its pages after its current forward."""
         with self._cv:
             req.cancelled = True
             if req in self._waiting:
@@ -179,8 +163,7 @@ class Scheduler:
         req.future.cancel()
 
     def abort(self, exc: BaseException) -> int:
-        """Fail every queued and running prompt with `exc` now (shutdown); a running prompt's
-        pages are freed once its current forward ends. Returns how many were failed."""
+        """Fail every queued and running prompt with `exc` now; returns how many."""
         with self._cv:
             pending = list(self._waiting) + [r for r in self._running if not r.cancelled]
             self._waiting.clear()
@@ -191,8 +174,7 @@ class Scheduler:
         return len(pending)
 
     def stop(self, timeout: float = 1.0) -> None:
-        """End the engine loop: it exits after its current forward. Waits at most `timeout`
-        for that; a forward still running then ends with the process."""
+        """End the engine loop after its current forward, waiting at most `timeout`."""
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -215,7 +197,6 @@ class Scheduler:
         try:
             engine = self._factory()
         except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
-            # the one error line is the caller's (on_fatal); the traceback is for debugging
             log.debug("engine failed to load", exc_info=True)
             self._fail(f"engine failed to load: {type(e).__name__}: {e}")
             return
@@ -262,7 +243,7 @@ class Scheduler:
         self._post_loaded(RuntimeError(msg))
 
     def _release(self, r: Prompt) -> None:
-        """Free a request's pages and drop it from the running set (engine thread, lock held)."""
+        """Free a request's pages and drop it from the running set (lock held)."""
         if r.pages:
             self.cache.release(r.pages)
             r.pages = []
@@ -289,7 +270,7 @@ class Scheduler:
         def take(r: Prompt) -> None:
             nonlocal budget, rows
             n = min(r.num_tokens - r.done, budget)
-            if r.params.prompt_logprobs:  # the first such chunk always gets rows >= 1
+            if r.params.prompt_logprobs:
                 n = min(n, rows)
                 rows -= n
             if n > 0:
@@ -303,12 +284,11 @@ class Scheduler:
         while self._waiting and len(out) < self.max_batch_prompts and budget > 0:
             r = self._waiting[0]
             if r.params.prompt_logprobs and rows <= 0:
-                break  # no logit rows left in this forward: admit it (and its pages) later
+                break
             ps, cache = pool.page_size, self.cache
             if r.keys is None:
                 r.keys = page_keys(r.ids, ps) if cache.enabled else []
-            # Prompt logprobs need logits at every position: such prompts reuse nothing. At least
-            # the last token is always computed (its logits give the first token).
+            # prompt logprobs need every position's logits; the last token is always computed
             reuse = [] if r.params.prompt_logprobs else cache.match(
                 r.keys, (r.num_tokens - 1) // ps)
             need = pages_for(r.num_tokens, ps) - len(reuse)

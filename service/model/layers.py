@@ -1,10 +1,6 @@
 """The decoder's building blocks: RMSNorm, projections into given buffers, and the SwiGLU MLP.
 
-Every block takes optional `out`/`scratch` buffers: the graph runners pass slices of their static
-buffers so that a captured step allocates nothing; eager calls allocate. Both run the same
-kernels, so a graph replay and an eager forward agree on the same rows (up to the MLP's row
-chunks, whose smaller matmuls the BLAS may tile differently).
-"""
+Optional `out`/`scratch` buffers let a captured graph step allocate nothing."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ class RMSNorm(nn.Module):
 
 def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None, *,
            accumulate: bool = False, bias: bool = True) -> torch.Tensor:
-    """`lin(x)`, optionally into `out`: the same mm/addmm F.linear runs, without an allocation.
-    `accumulate`: out += x @ W^T in the GEMM (no bias); `bias=False` leaves the bias out."""
+    """`lin(x)`, optionally into `out`; `accumulate`: out += x @ W^T (no bias)."""
     if accumulate:
         assert out is not None and lin.bias is None, "accumulate into an out, without a bias"
         return out.addmm_(x, lin.weight.t())
@@ -48,8 +43,7 @@ def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None, *,
 
 
 def mlp_row_chunks(rows: int, cap: int) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges of at most `cap` rows: k = ceil(rows / cap) chunks of ceil(rows / k)
-    rows rounded up to MLP_ROW_ALIGN (but at most `cap`), the last one taking the rest."""
+    """[lo, hi) ranges of nearly equal size, at most `cap` rows, multiples of MLP_ROW_ALIGN."""
     assert rows > 0 and cap > 0, f"{rows} rows in chunks of at most {cap}"
     k = -(-rows // cap)
     if k == 1:
@@ -62,17 +56,7 @@ def mlp_row_chunks(rows: int, cap: int) -> list[tuple[int, int]]:
 def swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
            out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
            norm_eps: float | None = None) -> torch.Tensor:
-    """down(silu(gate) * up); `scratch` (<= T, 2F) holds gate|up, then the activation in place.
-
-    `norm_eps` (folded norms): x is the residual stream and gate_up's weight has the norm
-    weight folded in; the activation scales by each row's rstd, and down adds into `out`,
-    which must be x itself (x <- x + mlp(norm(x))).
-
-    With fewer scratch rows than x has, runs in row chunks of nearly equal size (multiples of
-    MLP_ROW_ALIGN) that fit in it: the graph runner's arena is sized for attention, not for
-    2F-wide rows. Chunk shapes depend on the row count only, so a captured bucket replays the
-    same loop.
-    """
+    """down(silu(gate) * up), chunked to `scratch`'s rows; `norm_eps`: x += mlp(norm(x))."""
     rows = x.shape[0]
     assert norm_eps is None or out is x, "a folded-norm MLP adds into the residual it reads"
     if scratch is None or scratch.shape[0] >= rows:
@@ -80,8 +64,7 @@ def swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: boo
                        None if scratch is None else scratch[:rows], norm_eps)
     if out is None:
         out = x.new_empty(rows, down.out_features)
-    # NOTE: x and out may be one buffer. Chunk [lo, hi) reads x[lo:hi] (all of it, in the
-    # gate_up matmul) before writing out[lo:hi], and no chunk touches another's rows.
+    # NOTE: x and out may be one buffer: each chunk reads its rows before writing them
     for lo, hi in mlp_row_chunks(rows, scratch.shape[0]):
         _swiglu(x[lo:hi], gate_up, down, use_triton, out[lo:hi], scratch[: hi - lo], norm_eps)
     return out
@@ -93,16 +76,13 @@ def _swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bo
     gu = linear(x, gate_up, scratch)  # (T, 2F)
     f = gu.shape[1] // 2
     folded = norm_eps is not None
-    # NOTE: in place into gu's gate half (row stride 2F): each element is read by the one
-    # program that writes it, so this is safe and saves a (T, F) tensor.
+    # NOTE: in place into gu's gate half: each element is read by the program that writes it
     act = ops.silu_and_mul(gu, out=gu[:, :f], use_triton=use_triton,  # (T, F), strided rows
                            norm_rows=x if folded else None, eps=norm_eps or 0.0)
     return linear(act, down, out, accumulate=folded)  # (T, hidden)
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one matmul."""
-
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)

@@ -1,18 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) in plain PyTorch over a flat varlen batch.
 
-`forward(input_ids (T,), positions (T,), meta)` returns the logits of the rows in
-meta.logits_indices. `run(acts, steps)` is that forward as dense steps and one attention step per
-layer, the one definition every path executes: eagerly (`Eager`), captured as breakable CUDA
-graphs (attention replayed between the dense graphs) or as one whole graph.
-
-Folded norms (`fold_norms`): rms_norm(x) @ W^T = rstd(x) * (x @ (W * g)^T) per row, so each
-layer's two norm weights g are multiplied into the QKV and gate/up weights once. Batches whose
-residual stream is small (`fuses_norm`) then run without norm kernels: the residual holds the
-whole hidden state, the o and down projections add into it in the GEMM, and the per-row rstd is
-applied by the RoPE and SiLU-and-mul kernels (seven kernels per layer instead of nine). Larger
-batches keep the norm kernels, with unit weights: there the extra row reads cost more than the
-norms. Not for fp16: un-normalized projections of large rows can leave its range.
-"""
+`run(acts, steps)` is the one forward every path executes; folded norms skip the norm kernels."""
 
 from __future__ import annotations
 
@@ -31,15 +19,13 @@ from service.model.config import ModelConfig
 from service.model.layers import MLP, RMSNorm, linear
 from service.model.meta import ForwardMeta
 
-# Largest residual stream (rows x hidden elements, 12 MiB in bf16) that runs without norm kernels
-# once the norms are folded: above it the beta-1 GEMMs and row reads outweigh the norm kernels.
+# Largest residual stream (rows x hidden elements) that runs without norm kernels when folded
 FUSED_NORM_MAX_ELEMS = 6 << 20
 
 
 @dataclass(frozen=True)
 class Activations:
-    """What one forward reads and writes, n rows each: fresh tensors for an eager forward, or a
-    graph runner's static views (a captured step then allocates nothing)."""
+    """What one forward reads and writes, n rows each: fresh tensors, or static graph views."""
 
     input_ids: torch.Tensor  # (n,) int64
     positions: torch.Tensor  # (n,) int64
@@ -61,15 +47,11 @@ class Activations:
 
 
 class Steps(Protocol):
-    """Receives a forward's steps in order (LlamaModel.run)."""
-
     def dense(self, fn: Callable[[], None]) -> None: ...
     def attention(self, layer: int) -> None: ...
 
 
 class Eager:
-    """Runs each step at once; attention through `attend(layer)`."""
-
     def __init__(self, attend: Callable[[int], None]):
         self.attention = attend
 
@@ -92,8 +74,7 @@ class DecoderLayer(nn.Module):
         self.folded = False  # the norm weights live in qkv_proj / gate_up_proj (fold_norms)
 
     def fold_norms(self) -> None:
-        """Multiply the two norm weights into the projections after them (fp32, rounded once),
-        in place; the norms keep unit weights for the batches that still run them."""
+        """Multiply the norm weights into the projections after them; norms keep unit weights."""
         for norm, lin in ((self.input_layernorm, self.qkv_proj),
                           (self.post_attention_layernorm, self.mlp.gate_up_proj)):
             w = lin.weight.data
@@ -102,13 +83,11 @@ class DecoderLayer(nn.Module):
         self.folded = True
 
     def fuses_norm(self, rows: int) -> bool:
-        """Whether a batch of `rows` runs this layer without norm kernels."""
         return self.folded and rows * self.cfg.hidden_size <= FUSED_NORM_MAX_ELEMS
 
     def pre(self, h: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor,
             cos_sin: torch.Tensor, qkv_out: torch.Tensor) -> None:
-        """Residual add + norm (in place), QKV projection and RoPE into `qkv_out`. Without norm
-        kernels h is None: the residual is the whole state and the norm rides on RoPE."""
+        """Residual add + norm, QKV and RoPE into `qkv_out`; h is None when the norm is fused."""
         if self.fuses_norm(residual.shape[0]):
             self.qkv_rope(residual, positions, cos_sin, qkv_out, norm_rows=residual)
             return
@@ -118,8 +97,7 @@ class DecoderLayer(nn.Module):
     def qkv_rope(self, h_normed: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  out: torch.Tensor | None = None, norm_rows: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        """QKV projection and RoPE; with `norm_rows` (h_normed is then the raw residual) RoPE
-        also scales q, k, v by the rows' rstd and adds the bias."""
+        """QKV and RoPE; with `norm_rows` (raw residual input) RoPE also applies rstd and bias."""
         folded = norm_rows is not None
         qkv = linear(h_normed, self.qkv_proj, out, bias=not folded)  # (T, (H + 2KVH) * D)
         t, c = qkv.shape[0], self.cfg
@@ -135,8 +113,7 @@ class DecoderLayer(nn.Module):
 
     def post(self, attn_out: torch.Tensor, residual: torch.Tensor, h_out: torch.Tensor,
              scratch: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Output projection, residual add + norm, MLP; the result lands in `h_out` (returned),
-        or without norm kernels in `residual` (both projections add into it; returns None)."""
+        """O projection, add + norm, MLP into `h_out`; fused norm: into `residual`, returns None."""
         if self.fuses_norm(residual.shape[0]):
             linear(attn_out, self.o_proj, residual, accumulate=True)
             self.mlp(residual, out=residual, scratch=scratch, norm_eps=self.cfg.rms_norm_eps)
@@ -167,7 +144,6 @@ class LlamaModel(nn.Module):
         return rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     def fold_norms(self) -> None:
-        """Fold every layer's norm weights into its projections (idempotent; after loading)."""
         if self.norms_folded:
             return
         with torch.no_grad():
@@ -176,11 +152,9 @@ class LlamaModel(nn.Module):
         self.norms_folded = True
 
     def fuses_norm(self, rows: int) -> bool:
-        """Whether a batch of `rows` runs without norm kernels."""
         return len(self.layers) > 0 and self.layers[0].fuses_norm(rows)
 
     def set_kernels(self, use_triton: bool) -> None:
-        """Dense ops (norms, RoPE, SiLU-and-mul) on Triton kernels or their references."""
         for m in self.modules():
             if hasattr(m, "use_triton"):
                 m.use_triton = use_triton
@@ -194,15 +168,13 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def run(self, acts: Activations, steps: Steps) -> None:
-        """Token ids to the final normed rows (in acts.hidden) as dense steps, each layer's
-        attention a step of its own (reading acts.qkv, writing acts.attn)."""
+        """Token ids to the final normed rows (acts.hidden); attention reads qkv, writes attn."""
         steps.dense(functools.partial(self._begin, acts))
         for i in range(len(self.layers)):
             steps.attention(i)
             steps.dense(functools.partial(self._between, i, acts))
 
     def _begin(self, a: Activations) -> None:
-        """Embedding, then the first layer's norm, QKV and RoPE."""
         torch.index_select(self.embed_tokens.weight, 0, a.input_ids, out=a.residual)
         if self.layers:
             first = self.layers[0]
@@ -213,8 +185,7 @@ class LlamaModel(nn.Module):
             first.pre(None, a.residual, a.positions, self.cos_sin, a.qkv)
 
     def _between(self, i: int, a: Activations) -> None:
-        """Layer i after its attention, then layer i + 1 up to its attention (or the final
-        norm into a.hidden)."""
+        """Layer i after its attention, then layer i + 1 up to its attention (or the final norm)."""
         h = self.layers[i].post(a.attn, a.residual, a.hidden, a.mlp_scratch)
         if i + 1 < len(self.layers):
             self.layers[i + 1].pre(h, a.residual, a.positions, self.cos_sin, a.qkv)
@@ -224,11 +195,9 @@ class LlamaModel(nn.Module):
             self.norm(h, a.residual)
 
     def logits(self, h_normed: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        """LM head on the selected rows only, fp32 logits (N, vocab)."""
         return self.head_at(h_normed, meta.logits_indices).float()
 
     def head_at(self, h_normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """LM head on h_normed[rows], in the model's dtype (len(rows), vocab)."""
         picked = h_normed.index_select(0, rows)  # (N, hidden)
         return torch.nn.functional.linear(picked, self.head_weight)
 

@@ -35,8 +35,7 @@ def default_model_path() -> Path:
 
 
 def check_model_path(path: str | None) -> None:
-    """Cheap checks before anything loads or listens: MODEL_PATH (or the default model) exists
-    and has the shape of a model. Raises ModelLoadError naming what is wrong."""
+    """Cheap checks that MODEL_PATH looks like a model, before anything loads; ModelLoadError."""
     if path is None:
         default_model_path()
         return
@@ -152,8 +151,7 @@ def tokenizer_of(path: Path) -> TextTokenizer:
 
 def load(path: str | None, preset_name: str | None, device: torch.device,
          dtype: torch.dtype) -> LoadedModel:
-    """The checkpoint at `path` (default: the embedded model), or with `preset_name` random
-    weights of that preset's shape and the checkpoint's tokenizer."""
+    """The checkpoint at `path`, or random `preset_name` weights with its tokenizer."""
     if preset_name is None:
         return load_model(path, device, dtype)
     t0 = time.perf_counter()

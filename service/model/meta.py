@@ -12,10 +12,7 @@ from kernels.varlen import VarlenBatch
 
 @dataclass
 class KVCache:
-    """Per-layer K and V pools, each (num_slots, kv_heads, head_dim); slot = page*page_size + i.
-
-    Slot 0 (page 0) is the dummy slot: padded tokens write there and no sequence reads it.
-    """
+    """Per-layer K and V pools, each (num_slots, kv_heads, head_dim); slot 0 takes padding."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -28,14 +25,7 @@ class KVCache:
 
 
 class KVAddresses:
-    """Every layer's K and V pool base address as device data: (2, layers, 2) int64, the
-    address in [..., 0] (a 16-byte stride, so every entry is aligned alike: a compiled kernel
-    is specialized on its pointers' 16-byte alignment).
-
-    A full CUDA graph (attention captured with the dense layers) reads the pool through this
-    table, not through addresses fixed at capture, so the pool can still be allocated after
-    capture at its final address, and a graph runs on whichever pool is bound when it replays.
-    """
+    """K/V pool addresses as device data, so full graphs can run on a pool allocated later."""
 
     def __init__(self, layers: int, device: torch.device | str):
         self.table = torch.zeros(2, layers, 2, dtype=torch.int64, device=device)
@@ -43,30 +33,23 @@ class KVAddresses:
         self.kv: KVCache | None = None
 
     def bind(self, kv: KVCache) -> None:
-        """Point the table at `kv` (a no-op when it already does)."""
         if kv is self.kv:
             return
         layers = self.table.shape[1]
         assert len(kv.k) == layers, f"a pool of {len(kv.k)} layers for a table of {layers}"
         addrs = [[(t.data_ptr(), 0) for t in kv.k], [(t.data_ptr(), 0) for t in kv.v]]
-        # the kernels assume 16-byte aligned caches (their loads and stores are vectorized)
         assert all(a % 16 == 0 for row in addrs for a, _ in row), "caches must be 16-B aligned"
         self.table.copy_(torch.tensor(addrs, dtype=torch.int64))
         self.kv = kv
 
     def unbind(self) -> None:
-        """Drop the reference to the bound pool (the table keeps stale addresses: bind again
-        before the next replay)."""
+        """Drop the bound pool; NOTE: the table keeps stale addresses until the next bind."""
         self.kv = None
 
 
 @dataclass(frozen=True)
 class ForwardMeta:
-    """A flat varlen batch of B sequences, T real tokens (the ids may be padded beyond T).
-
-    Device tensors are built once per batch; the Python tuples serve host-side code (the
-    reference attention and sampling) without a device sync.
-    """
+    """A flat varlen batch of B sequences, T real tokens; tuples serve host code without a sync."""
 
     cu_seqlens_q: torch.Tensor  # (B+1,) int32: new tokens of sequence b are [cu[b], cu[b+1])
     prefix_lens: torch.Tensor  # (B,) int32: cached tokens before each sequence's new tokens
@@ -99,6 +82,5 @@ class ForwardMeta:
 
     @cached_property
     def varlen(self) -> VarlenBatch:
-        """The attention kernels' metadata for this batch, host-side facts included."""
         return VarlenBatch(self.cu_seqlens_q, self.prefix_lens, self.page_table, self.page_size,
                            self.max_q_len, self.max_prefix_len, self.num_tokens)

@@ -9,8 +9,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from service.model.errors import ModelLoadError
 
-# GPT-2's split; llama.cpp's "smollm"/"gpt2" pre-tokenizers use it ("smollm" isolates each digit
-# first, as SmolLM2's own tokenizer.json does with a Digits(individual_digits) step).
+# GPT-2's split, used by llama.cpp's "smollm" (digits isolated first) and "gpt2" pre-tokenizers
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -34,8 +33,7 @@ PIECE_SLACK = 8  # tokens a piece's count may exceed its share of the whole text
 
 
 def _piece_end(text: str, start: int) -> int:
-    """End of the piece that starts at `start`: before the last space that follows a
-    non-space in the piece's final 1 KiB, else PIECE_CHARS on."""
+    """End of the piece from `start`: before a space after a non-space, near PIECE_CHARS on."""
     end = start + PIECE_CHARS
     if end >= len(text):
         return len(text)
@@ -46,8 +44,6 @@ def _piece_end(text: str, start: int) -> int:
 
 
 class TextTokenizer:
-    """Encode/decode through a `tokenizers.Tokenizer`, plus the ids the service needs."""
-
     def __init__(self, tok: Tokenizer, bos_id: int | None, eos_id: int | None,
                  add_bos: bool = False):
         self.tok = tok
@@ -64,13 +60,7 @@ class TextTokenizer:
         return ids
 
     def encode_within(self, text: str, limit: int) -> list[int] | None:
-        """`encode(text)`, or None once `text` surely has more than `limit` tokens.
-
-        Text longer than one piece is first counted piece by piece, stopping as soon as the
-        count is past `limit`: rejecting a multi-megabyte prompt then costs about `limit`
-        tokens of work, not the whole text's. Pieces end before a space that follows a
-        non-space, where the pre-tokenizers split anyway, so their counts add up to the
-        whole text's within a few tokens per piece (PIECE_SLACK)."""
+        """`encode(text)`, or None after about `limit` tokens of work once it surely has more."""
         if len(text) > PIECE_CHARS:
             counted = pieces = start = 0
             while start < len(text):
@@ -101,8 +91,7 @@ def load_hf_tokenizer(model_dir: Path, cfg: dict[str, Any] | None = None) -> Tex
     eos = cfg.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    # Llama tokenizer.json files add BOS through their post-processor; encode() asks for none,
-    # so add it here when the tokenizer config says the model expects it.
+    # encode() skips the post-processor's BOS; add it when the tokenizer config asks for it
     tc_path = model_dir / "tokenizer_config.json"
     add_bos = False
     if tc_path.is_file():
@@ -113,7 +102,7 @@ def load_hf_tokenizer(model_dir: Path, cfg: dict[str, Any] | None = None) -> Tex
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    """GPT-2's reversible byte -> printable character map of byte-level BPE vocabularies."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
         range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]

@@ -35,11 +35,19 @@ def _label_selector(sel: Any, where: str) -> list[str]:
     return _unknown(sel, {"matchLabels", "matchExpressions"}, where)
 
 
-def check_service_monitor(doc: dict) -> list[str]:
+def _spec(doc: dict) -> tuple[list[str], dict | None]:
+    """The metadata's problems and the spec (None, with a problem, when it is not a mapping)."""
     problems = _metadata(doc)
     spec = doc.get("spec")
     if not isinstance(spec, dict):
-        return [*problems, "spec is required"]
+        return [*problems, "spec is required"], None
+    return problems, spec
+
+
+def check_service_monitor(doc: dict) -> list[str]:
+    problems, spec = _spec(doc)
+    if spec is None:
+        return problems
     problems += _unknown(
         spec,
         {
@@ -136,10 +144,9 @@ def check_prometheus_rule(doc: dict) -> list[str]:
 
 
 def check_scaled_object(doc: dict) -> list[str]:
-    problems = _metadata(doc)
-    spec = doc.get("spec")
-    if not isinstance(spec, dict):
-        return [*problems, "spec is required"]
+    problems, spec = _spec(doc)
+    if spec is None:
+        return problems
     problems += _unknown(
         spec,
         {

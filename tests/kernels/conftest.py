@@ -123,3 +123,18 @@ class AttnBatch:
 @pytest.fixture
 def attn_batch():
     return AttnBatch
+
+
+@pytest.fixture
+def launch_hook():
+    """A no-op Triton launch hook installed for the test (skipped where Triton keeps the hook
+    as a plain attribute rather than a chain)."""
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):
+        pytest.skip("this Triton has no launch-hook chain")
+    probe = lambda *a, **k: None  # noqa: E731
+    hook.add(probe)
+    yield probe
+    hook.remove(probe)

@@ -1,9 +1,6 @@
 """The ways a batch can run, behind one small interface, and the helpers they share.
 
-The engine asks its runners in order (full graph, breakable graphs, eager) and the first whose
-`can_run` accepts the batch runs it: `run(chunks, kv) -> (logits, batch, mode)`, with the
-logits (rows, vocab) fp32 on the device and `mode` "graph" or "eager".
-"""
+The first runner whose `can_run` accepts a batch runs it: `run() -> (logits, batch, mode)`."""
 
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ class Runner(Protocol):
 
 @contextmanager
 def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Run on `stream` (warm-up, capture, replay and eager work all share it: one cuBLAS
-    workspace), ordered after the caller's stream's earlier work (weights, KV pool) and before
-    its later work. A no-op without a stream or when it is already current."""
+    """Run on `stream`, ordered after the caller's stream's earlier work and before its later."""
     if stream is None or torch.cuda.current_stream(stream.device) == stream:
         yield
         return
@@ -46,12 +41,7 @@ def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Collect garbage once, then keep Python's GC from running during capture.
-
-    NOTE: a collection in the middle of a capture can destroy unrelated CUDA graphs or events
-    (cyclic garbage), whose teardown is illegal while a stream is being captured: the capture is
-    invalidated (CUBLAS_STATUS_EXECUTION_FAILED). SGLang and vLLM pause the GC for this reason.
-    """
+    """NOTE: a GC mid-capture can free CUDA graphs or events, which invalidates the capture."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -63,7 +53,7 @@ def gc_paused() -> Iterator[None]:
 
 
 def eager_peak_bytes(device: torch.device, run) -> int:  # noqa: ANN001 - a () -> None
-    """Activation peak (bytes) of `run()`, an eager forward; 0 off CUDA (it still runs)."""
+    """Activation peak (bytes) of `run()`; 0 off CUDA (it still runs)."""
     if device.type != "cuda":
         run()
         return 0

@@ -1,12 +1,4 @@
-"""Breakable CUDA graphs: every bucket's dense steps captured into one pool, attention run
-eagerly between them on the live batch.
-
-A forward pads the batch to its bucket, copies ids and positions into the static buffers and
-replays the bucket's steps (service.engine.graph); each attention step is ONE launch (the KV
-store fused in) on the live, unpadded rows, bound once per batch. The LM head then runs eagerly
-on the rows whose logits are wanted. Padding rows are never attended to, never stored and never
-read by the LM head.
-"""
+"""Breakable CUDA graphs: each bucket's dense steps replayed, attention run eagerly between."""
 
 from __future__ import annotations
 
@@ -39,7 +31,6 @@ class BreakableRunner:
         self.bufs: StaticBuffers | None = None
         self._plans: dict[tuple, tuple] = {}
 
-    # -- capture --------------------------------------------------------------------------------
     def allocate(self) -> StaticBuffers:
         mlp_width = self.model.layers[0].mlp.gate_up_proj.weight.shape[0] if len(
             self.model.layers) else 1
@@ -48,9 +39,7 @@ class BreakableRunner:
 
     @torch.inference_mode()
     def capture(self, kv: KVCache, on_bucket: Callable[[int, int], None] | None = None) -> None:
-        """Allocate the static buffers, then capture every bucket, largest first (later, smaller
-        captures carve the shared pool's freed blocks). `kv`: a scratch pool whose dummy page
-        takes every capture row's KV."""
+        """Capture every bucket, largest first, writing KV to scratch pool `kv`'s dummy page."""
         if not len(self.buckets):
             return
         with on_stream(self.stream), gc_paused():
@@ -63,7 +52,6 @@ class BreakableRunner:
                     on_bucket(k, n)
 
     def capture_batch(self, n: int, kv: KVCache) -> PrefillBatch:
-        """n tokens whose KV all goes to the dummy page: no prefix is read."""
         return build_batch(capture_chunks(n, self.model.max_positions, kv.page_size), kv,
                            self.device)
 
@@ -77,7 +65,7 @@ class BreakableRunner:
                              keep=keep)
 
     def capture_inputs(self, n: int, v: Activations) -> object:
-        """Capture-only tensors bucket n's graphs record (kept alive with them); none here."""
+        """Capture-only tensors bucket n's graphs record, kept alive with them."""
         return None
 
     @property
@@ -88,7 +76,6 @@ class BreakableRunner:
     def static_bytes(self) -> int:
         return self.bufs.nbytes if self.bufs is not None else 0
 
-    # -- forward --------------------------------------------------------------------------------
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
         return (self.buckets.use_graph(tokens)
                 and self.backend.has(self.buckets.pad_to_bucket(tokens)))
@@ -103,7 +90,6 @@ class BreakableRunner:
             return self.forward(batch), batch, "graph"
 
     def forward(self, batch: PrefillBatch) -> torch.Tensor:
-        """Replay the batch's bucket through the static buffers; logits of its wanted rows."""
         n = batch.padded_tokens
         v = self.bufs.views(n)
         v.input_ids.copy_(batch.input_ids)
@@ -112,8 +98,7 @@ class BreakableRunner:
         return self.model.logits(v.hidden, batch.meta)
 
     def _attend(self, batch: PrefillBatch, v: Activations) -> Callable[[int], None]:
-        """The live batch's attention for every layer. NOTE: bound at the first layer, not
-        before the replay: the GPU starts on the first dense step while the host binds."""
+        """NOTE: bound at the first layer, so the GPU starts the first dense step meanwhile."""
         plan: list[BreakPlan] = []
 
         def attend(layer: int) -> None:
@@ -123,16 +108,14 @@ class BreakableRunner:
         return attend
 
     def _plan(self, batch: PrefillBatch, v: Activations) -> BreakPlan:
-        """The batch's attention, bound once for every layer; reused for a later batch staged
-        at the same layout with the same host-side facts."""
+        """The batch's attention for every layer, reused for later batches of the same layout."""
         t, meta, attn = batch.num_tokens, batch.meta, self.model.attn
         if batch.layout is None:
             return attn.plan(v.qkv[:t], meta, v.attn[:t])
         key = (batch.layout, v.input_ids.shape[0], t, meta.max_q_len, meta.max_prefix_len,
                attn.hopper, id(attn), id(meta.kv))
         hit = self._plans.get(key)
-        # NOTE: the entry holds the backend and the pool it was bound for, so neither id can
-        # be reused by another object while it is cached
+        # NOTE: the entry holds `attn` and the pool, so neither id is reused while cached
         if hit is not None and hit[0] is attn and hit[1] is meta.kv:
             return hit[2]
         plan = attn.plan(v.qkv[:t], meta, v.attn[:t])

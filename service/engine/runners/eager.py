@@ -1,5 +1,4 @@
-"""Eager forwards: the model's own forward on a freshly flattened batch. The fallback runner (it
-runs any batch) and the only one on a CPU."""
+"""Eager forwards: the fallback runner (it runs any batch) and the only one on a CPU."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class EagerRunner:
 
     @torch.inference_mode()
     def run(self, chunks: Chunks, kv: KVCache) -> tuple[torch.Tensor, PrefillBatch, str]:
-        """NOTE: the logits are allocated on the runner's stream; a caller may read them on
-        its own: the next forward waits for that stream before their memory can be reused."""
+        """NOTE: the logits are allocated on the runner's stream (the next forward waits on it)."""
         with on_stream(self.stream):
             batch = build_batch(chunks, kv, self.device, staging=self.staging)
             if batch.num_tokens == 0:

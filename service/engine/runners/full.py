@@ -1,15 +1,6 @@
 """Full CUDA graphs for small batches: the whole forward, attention included, in one launch.
 
-A breakable forward of a small batch is bound by host launches (a few per layer), not by the
-GPU. A full graph replays embedding to final norm, the LM head on each sequence's last row and
-the first token's reductions (service.engine.sampling.summarize) as ONE graph, reading fixed
-buffers (service.engine.full_buffers); the host then waits for one small copy of the summary.
-Batches of at most `max_seqs` sequences in a bucket of at most `max_tokens` tokens take it,
-unless they want every row's logits (prompt logprobs).
-
-Its GEMMs are captured through cuBLASLt: for some small GEMMs (Llama shapes' down projection at
-128 rows) cuBLAS picks a split-K kernel plus a reduce kernel, cuBLASLt one kernel.
-"""
+Small batches are bound by host launches; GEMMs are captured with cuBLASLt (fewer kernels)."""
 
 from __future__ import annotations
 
@@ -27,12 +18,11 @@ from service.engine.sampling import summarize
 from service.model.llama import Eager
 from service.model.meta import KVAddresses, KVCache
 
-BLAS = "cublaslt"  # the library the full graphs' GEMMs are captured with (on CUDA)
+BLAS = "cublaslt"
 
 
 @contextmanager
 def blas_library(name: str, device: torch.device) -> Iterator[None]:
-    """PyTorch's preferred BLAS library set to `name` inside (CUDA only; restored after)."""
     if device.type != "cuda":
         yield
         return
@@ -45,8 +35,7 @@ def blas_library(name: str, device: torch.device) -> Iterator[None]:
 
 
 class FullGraphRunner:
-    """Full graphs of the breakable runner's buckets up to `max_tokens`, over its static buffers
-    and in its graph backend's pool."""
+    """Full graphs of the breakable runner's buckets up to `max_tokens`, in its buffers and pool."""
 
     name = "full"
 
@@ -58,11 +47,9 @@ class FullGraphRunner:
         self.bufs: FullBuffers | None = None
         self.kv_addrs: KVAddresses | None = None
 
-    # -- capture --------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, kv: KVCache) -> None:
-        """One full graph per bucket, after the breakable graphs (whose static buffers it
-        uses: it allocates nothing itself)."""
+        """One full graph per bucket; after the breakable capture (it uses their buffers)."""
         if not self.sizes or not len(self.model.layers) or self.graphs.bufs is None:
             return
         device = self.graphs.device
@@ -90,7 +77,6 @@ class FullGraphRunner:
 
         def forward() -> None:
             self.model.run(acts, Eager(attend))
-            # the summary kernel also writes the fp32 logits
             summarize(self.model.head_at(acts.hidden, fv.head_rows), out=out.summary,
                       logits_out=out.logits)
 
@@ -106,7 +92,6 @@ class FullGraphRunner:
             return 0
         return self.bufs.nbytes + self.kv_addrs.table.numel() * 8
 
-    # -- forward --------------------------------------------------------------------------------
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
         if self.bufs is None or not self.graphs.buckets.use_graph(tokens):
             return False
@@ -115,9 +100,7 @@ class FullGraphRunner:
 
     @torch.inference_mode()
     def run(self, chunks: Chunks, kv: KVCache) -> tuple[torch.Tensor, PrefillBatch, str]:
-        """Stage the batch and replay its bucket's graph on the caller's stream (one launch
-        needs no stream switch); the batch's metadata is built while the graph runs, and its
-        summary comes back on the host. Only the staging precedes the launch."""
+        """Stage, replay on the caller's stream, build the metadata while the graph runs."""
         n = self.graphs.buckets.pad_to_bucket(sum(c.num_tokens for c in chunks))
         fb, b = self.bufs, len(chunks)
         self.kv_addrs.bind(kv)
