@@ -1,9 +1,5 @@
-"""SiLU-and-mul, Llama's gated MLP activation: out = silu(x[:, :F]) * x[:, F:].
-
-Elementwise in fp32, rounded once (vLLM's choice). x (T, 2F), last dim contiguous -> out (T, F);
-grid (T, cdiv(F, BLOCK_F)), memory-bound. With `norm_rows` (the post-attention norm folded into
-the gate/up weight, see kernels/rope.py) gate and up are first scaled by the row's rstd.
-"""
+"""SiLU-and-mul, Llama's gated MLP activation, fp32 with one rounding: x (T, 2F) -> out (T, F).
+x's last dim contiguous; `norm_rows`: the post-attention norm folded into gate/up (see rope.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ def _silu_and_mul_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     scale = 1.0
-    if NORM:  # once per program: COL_ITERS blocks share it
+    if NORM:
         scale = row_rstd(norm_ptr + row * stride_nt, norm_cols, eps, BLOCK_NORM)
     for i in tl.static_range(COL_ITERS):
         cols = (tl.program_id(1) * COL_ITERS + i) * BLOCK_F + tl.arange(0, BLOCK_F)

@@ -1,12 +1,6 @@
-"""Extend attention: each sequence's new tokens attend causally to themselves and their cached
-prefix in a paged KV pool. Entry points, checks, kernel choice, and the PyTorch reference.
-
-The Triton kernel (extend_attention_triton.py) takes any batch; on a Hopper GPU a batch known to
-be prefix-free, with head_dim 128 and enough rows, takes the Gluon one (extend_attention_sm90.py).
-q (T, H, D), k/v (T, KVH, D), strided rows, packed heads; rows past cu_seqlens_q[-1] are never
-read nor written. Trade-off: the grid is sized by max_q_len, so short sequences beside a long one
-launch programs that exit at once, against a block map that needs a host sync or a 2nd launch.
-"""
+"""Extend attention: new tokens attend causally to themselves and their cached prefix (paged KV).
+q (T, H, D), k/v (T, KVH, D), strided rows, packed heads; rows past cu_seqlens_q[-1] stay untouched.
+The grid is sized by max_q_len: programs past a short sequence exit at once (no host sync)."""
 
 from __future__ import annotations
 
@@ -38,10 +32,8 @@ Tensor = torch.Tensor
 Launch = Callable[[Tensor, Tensor], None]
 _LOG2E = 1.0 / math.log(2.0)  # exp2 softmax: log2(e) folded into the scale
 
-# Rows from which the Hopper kernel wins end to end: binding its TMA descriptors costs more host
-# time than it saves a small batch; a prepared break binds once for every layer.
-SM90_MIN_TOKENS = 4096  # one call (extend_attention)
-SM90_MIN_TOKENS_PREPARED = 1024  # prepared once, launched per layer (prepare_extend_attention)
+SM90_MIN_TOKENS = 4096  # Hopper kernel from here: binding its TMA descriptors costs host time
+SM90_MIN_TOKENS_PREPARED = 1024  # prepare_extend_attention binds once for every layer
 
 
 def extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -79,10 +71,9 @@ def prepare_extend_attention(
     config: AttnConfig | None = None, wrap: Callable | None = None,
     store_slots: Tensor | None = None, cache_table: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Launch | None, Tensor]:
-    """Check and bind once: (launch, o), `launch(k_cache, v_cache)` running one layer (None:
-    nothing to compute); `store_slots` (T,): it also stores k, v there. `cache_table` (a, b):
-    int64 (1,) cache addresses read at launch (a captured graph replays on whichever pool they
-    name); `launch` then takes a layer's, and k_cache/v_cache fix only the layout."""
+    """Check and bind once: (launch, o); `launch(k_cache, v_cache)` runs one layer (None: nothing
+    to compute), with `store_slots` (T,) also storing k, v there. `cache_table` (a, b): int64 (1,)
+    cache addresses read at launch; `launch` takes a layer's; k_cache/v_cache fix the layout."""
     if out is None:
         out = q.new_empty(q.shape)
     if cache_table is None and _use_sm90(q, k, v, out, batch, config, wrap,
@@ -162,7 +153,6 @@ def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, confi
     cfg = config or pick_config(D, dtype, q.device, batch.max_q_len)
     assert cfg.block_m % cfg.block_n == 0, "BLOCK_M must be a multiple of BLOCK_N"
     d_pad = max(16, triton.next_power_of_2(D))
-    # descriptors cost host time per bind: TMA only on large batches
     use_tma = cfg.use_tma and T >= cfg.tma_min_tokens and d_pad == D and dtype != torch.float32
     k_desc = v_desc = None
     if use_tma:
@@ -199,8 +189,7 @@ def _tma_descriptor(x: Tensor, block_n: int, head_dim: int):
 def extend_attention_ref(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                          batch: VarlenBatch, sm_scale: float | None = None,
                          out: Tensor | None = None, *, chunk_size: int = 4096) -> Tensor:
-    """PyTorch reference (and the CPU serving path): per sequence, the prefix gathered through
-    the page table, then SDPA with a prefix + causal mask, `chunk_size` query rows at a time."""
+    """PyTorch reference (and CPU serving path): per sequence, SDPA with a prefix + causal mask."""
     T, H, D = q.shape
     group = H // k.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
@@ -219,7 +208,7 @@ def extend_attention_ref(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cac
         for c0 in range(0, e - s, chunk_size):
             c1 = min(e - s, c0 + chunk_size)
             n_keys = P + c1
-            qc = q[s + c0 : s + c1].transpose(0, 1)  # (H, C, D)
+            qc = q[s + c0 : s + c1].transpose(0, 1)
             key_pos = torch.arange(n_keys, device=q.device)
             mask = key_pos[None, :] <= P + torch.arange(c0, c1, device=q.device)[:, None]
             oc = F.scaled_dot_product_attention(qc, kb[:, :n_keys], vb[:, :n_keys],

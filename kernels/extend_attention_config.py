@@ -1,6 +1,5 @@
-"""Launch configurations of the Triton extend-attention kernel: a hand table, picked with
-bench/attention.py, keyed on (capability major, padded head_dim). No autotuning: it would run
-inside CUDA-graph capture and on the latency path."""
+"""Launch configurations of the Triton extend-attention kernel: a hand table keyed on (capability
+major, padded head_dim). No autotuning: it would run inside CUDA-graph capture."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class AttnConfig:
-    """Tiles, warps, stages and code paths: TMA loads of unmasked blocks from tma_min_tokens
-    rows (descriptors cost host time), grid (H, q-blocks, B), page ids a block early."""
+    """Tiles, warps, stages; TMA only from tma_min_tokens rows (descriptors cost host time)."""
 
     block_m: int
     block_n: int
@@ -26,7 +24,7 @@ class AttnConfig:
 
 
 CONFIGS: dict[tuple[int, int], AttnConfig] = {
-    (9, 64): AttnConfig(128, 64, 8, 3, heads_first=True, prefetch_pages=False),  # prefetch: slower
+    (9, 64): AttnConfig(128, 64, 8, 3, heads_first=True, prefetch_pages=False),
     (9, 128): AttnConfig(128, 64, 8, 3, use_tma=True),
     (9, 256): AttnConfig(64, 64, 4, 2),
 }
@@ -68,8 +66,7 @@ def _entries(head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 def tile_thresholds() -> tuple[int, int]:
-    """(largest max_q_len of a small-batch entry, fewest rows read with TMA): each side compiles
-    its own kernels, so a warm-up sizes its prompts from these (EngineCore.warm_up)."""
+    """(largest small-entry max_q_len, fewest TMA rows): warm-up covers each side's kernels."""
     small = max((bound for entries in SMALL_CONFIGS.values() for bound, _ in entries), default=0)
     tma = min((c.tma_min_tokens for c in CONFIGS.values() if c.use_tma), default=0)
     return small, tma

@@ -1,15 +1,6 @@
 """Hopper (sm_90) extend attention for prefix-free batches: FlashAttention-3's schedule in Gluon.
-
-Why: Triton compiles the plain kernel's loop with a CTA-wide barrier per iteration, so the tensor
-cores idle during every softmax. Here a producer warpgroup streams K/V through a ring of shared-
-memory stages (TMA, mbarriers) and two consumer warpgroups of 64 rows each run QK^T, the exp2
-online softmax and PV on their own schedule, one's softmax under the other's wgmmas; within a
-warpgroup the softmax of block j runs under PV of block j-1 (`_pipeline`). A CTA's 128 rows meet
-one diagonal 128-key block: it goes first, the only masked one, half-computed by consumer 0.
-Scope: no cached prefix, GQA, head_dim 64/128, bf16/fp16; otherwise the Triton kernel's contract
-and reference (kernels.extend_attention.extend_attention_ref).
-NOTE: racecheck reports hazards only inside Triton's `gl.warp_specialize` code; memcheck is clean.
-"""
+A producer warpgroup streams K/V through a TMA/mbarrier ring; two 64-row consumer warpgroups run
+their softmax under each other's wgmmas. Contract and reference: kernels/extend_attention.py."""
 
 from __future__ import annotations
 
@@ -46,8 +37,7 @@ CONSUMER_REGS = 240  # per thread, after the producer gives its registers back
 
 @dataclass(frozen=True)
 class Sm90Config:
-    """stages: K/V ring depth (the pipelining holds two, the producer runs one ahead; 3 fills
-    a CTA's shared memory at D=128); heads_first: grid (H, q-blocks, B), else (q-blocks, H, B)."""
+    """stages: K/V ring depth (2 in use, 1 ahead; 3 fill smem, D=128); heads_first: (H, n_m, B)."""
 
     stages: int = 3
     heads_first: bool = True
@@ -101,8 +91,7 @@ if HAS_GLUON:
     def _consume(q, k_smem, v_smem, kv_ready, kv_empty, qk_scale, row0, diag0, n_blocks,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  DIAG_N: gl.constexpr, STAGES: gl.constexpr):
-        """One consumer's 64 rows: (acc, l) over the diagonal block's first DIAG_N keys, then
-        blocks 0 .. n-2 unmasked and pipelined (acc rescaled once the previous PV lands)."""
+        """(acc, l) of a consumer's rows: the diagonal's first DIAG_N keys, then blocks 0 .. n-2."""
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         qkd_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -114,7 +103,6 @@ if HAS_GLUON:
         row_qkd: gl.constexpr = gl.SliceLayout(1, qkd_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        # ring position 0: the diagonal block, its first DIAG_N keys
         mbarrier.wait(kv_ready.index(0), 0)
         s_d = gl.zeros([BLOCK_M, DIAG_N], gl.float32, qkd_layout)
         s_d = warpgroup_mma(q, k_smem.index(0).slice(0, DIAG_N).permute((1, 0)), s_d,
@@ -150,8 +138,7 @@ if HAS_GLUON:
     def _advance(j, q, k_smem, v_prev, kv_ready, kv_empty, p_prev, acc, m_i, l_i, qk_scale,
                  qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """QK^T of position j with PV of j - 1 in flight, the softmax of j under that PV, then
-        j - 1 released. Returns (acc, m, l, P of j)."""
+        """QK^T(j) while PV(j-1) runs, softmax(j) under that PV, release j-1: (acc, m, l, P_j)."""
         qk = _scores(j, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
         acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T(j) lands first
@@ -194,8 +181,8 @@ if HAS_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row0 = tile_row + CID * BLOCK_M  # this warpgroup's first row, within the sequence
-        if row0 < q_len:  # always for consumer 0
+        row0 = tile_row + CID * BLOCK_M
+        if row0 < q_len:
             mbarrier.wait(q_bar, 0)
             # consumer 0's rows end halfway into the diagonal block: it computes half of it
             acc, l_i = _consume(q_smem.slice(CID * BLOCK_M, BLOCK_M), k_smem, v_smem, kv_ready,
@@ -227,7 +214,7 @@ if HAS_GLUON:
         m_block = gl.cdiv(q_len, TILE) - 1 - pid_m  # longest-work-first within the sequence
         if m_block >= 0:
             tile_row = m_block * TILE
-            n_blocks = m_block + 1  # key blocks up to and including the diagonal
+            n_blocks = m_block + 1
             dtype: gl.constexpr = q_desc.dtype
             q_smem = gl.allocate_shared_memory(dtype, [TILE, HEAD_DIM], q_desc.layout)
             k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], k_desc.layout)
@@ -240,7 +227,7 @@ if HAS_GLUON:
                 mbarrier.init(kv_ready.index(i), count=1)
                 mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
             o_col = h * HEAD_DIM
-            gl.warp_specialize(
+            gl.warp_specialize(  # NOTE: racecheck flags hazards only in here; memcheck is clean
                 [(_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready,
                               kv_empty, q_start + tile_row, o_col, q_start,
                               (h // kv_group) * HEAD_DIM, n_blocks, TILE, STAGES)),
@@ -282,7 +269,7 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
         assert 0 < num_tokens <= T, f"num_tokens {num_tokens} outside (0, {T}]"
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    tile = CONSUMERS * BLOCK_M  # query rows per CTA = keys per K/V block
+    tile = CONSUMERS * BLOCK_M
     n_m = -(-batch.max_q_len // tile)
     args = (_descriptor(q, tile), _descriptor(k, tile), _descriptor(v, tile), out, cu,
             scale / math.log(2.0), H // KVH, out.stride(0))

@@ -1,10 +1,5 @@
-"""Extend attention's Triton kernel (launched by kernels/extend_attention.py).
-
-Algorithm: FlashAttention-2 forward (Dao, 2023), exp2 online softmax, fp32 accumulation. A program
-owns BLOCK_M query rows of one sequence and head and walks (a) the cached prefix through the page
-table, (b) new-token blocks below the diagonal, (c) the causal-masked diagonal; program 0 takes a
-sequence's heaviest block. D up to 256 (padded to a power of two with masks).
-"""
+"""Extend attention's Triton kernel: FlashAttention-2 forward, exp2 online softmax, fp32 acc.
+A program owns BLOCK_M query rows of one sequence and head; D <= 256, padded to a power of 2."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ def _softmax_step(
     return acc, l_i, m_new
 
 
-# NOTE: the page table's row stride changes from batch to batch; specialized, it made new batches
-# compile new variants on the serving path. Page ids are 4-byte loads: not specializing is free.
+# stride_ptb changes per batch: specialized, it would compile new variants while serving
 @triton.jit(do_not_specialize=["stride_ptb"])
 def _extend_attention_kernel(
     q_ptr,
@@ -102,7 +96,7 @@ def _extend_attention_kernel(
         q_ptr + q_rows[:, None] * stride_qt + h * HEAD_DIM + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
-    )  # (BLOCK_M, D)
+    )
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -194,9 +188,7 @@ def _extend_attention_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
     )
     if STORE_KV:
-        # One head per KV group writes its q-block's new rows, so every row is stored once. No
-        # program reads these slots (the prefix loop stops below each prefix length): no race.
-        # NOTE: after the output, with its own loads: storing the diagonal's tiles was slower.
+        # one head per KV group stores each new row once; prefix loops never read these slots
         if h % kv_group == 0:
             for start_n in range(diag_start, diag_end, BLOCK_N):
                 rows = start_n + offs_n

@@ -1,8 +1,5 @@
-"""Scatter the new tokens' K and V into the paged KV pool: cache[slot_mapping[t]] = x[t].
-
-One program copies a token's (KVH, D) rows; 64-bit slot offsets. Padded tokens all write the
-dummy slot 0, in any order: nothing reads it. k, v (T, KVH, D), strided rows; slots (T,) int.
-"""
+"""Scatter new tokens' K and V into the paged KV pool, one program per token: cache[slot[t]] = x[t].
+k, v (T, KVH, D), strided rows; padded tokens all write slot 0, a dummy nothing reads."""
 
 from __future__ import annotations
 

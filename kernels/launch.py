@@ -1,12 +1,5 @@
-"""Relaunch compiled Triton kernels without the JIT's per-call work, and the one launch cache.
-
-Why: `kernel[grid](*args)` binds, specializes and hashes every argument per call, more host time
-than a small batch's kernels take on the GPU. `Relauncher` takes the JIT once, then calls the
-compiled launcher with the tensors at `swap` replaced (a break changes only cache pointers per
-layer). `CACHE` maps plain-value keys (no tensors kept alive): `spec_key` -> compiled launcher (a
-launch that specializes alike skips the JIT), `call_key` -> bound launch (a repeated call skips
-checks and binding). The interpreter, `wrap` (tracing) and launch hooks always take the JIT.
-"""
+"""Relaunch compiled Triton kernels with only the tensors at `swap` replaced, skipping the JIT's
+per-call binding and hashing; `CACHE`, keyed by plain values, is the one launch cache."""
 
 from __future__ import annotations
 
@@ -92,8 +85,7 @@ def spec_key(fn: Any, device: torch.device, args: list, kwargs: dict) -> tuple |
 
 
 class Relauncher:
-    """`fn[grid](*args, **kwargs)` with the positional args at `swap` replaced per call; those
-    keep the first call's dtype and 16-byte alignment (what the kernel was specialized on)."""
+    """`fn[grid](*args)`, args at `swap` replaced per call (same dtype, 16-byte alignment)."""
 
     def __init__(self, fn: Any, grid: tuple[int, ...], args: Sequence[Any],
                  kwargs: dict[str, Any], swap: Sequence[int], wrap: Callable | None = None):
@@ -109,7 +101,7 @@ class Relauncher:
         if self._bound is None:
             return False
         handles, vals, aligned = self._bound
-        vals = [_detached(v) for v in vals]  # the swapped slots are None between launches
+        vals = [_detached(v) for v in vals]
         self._bound, self.args = (handles, vals, aligned), None
         return True
 

@@ -1,10 +1,5 @@
-"""Each logits row's greedy token and top-k tokens with logprobs, in two launches (PyTorch: ~20).
-
-Two-stage split-row reduction: (1) per CHUNK of a row, its max, sum of exp(x - max) and top-k (k
-rounds of "take the max, knock it out"), the logits copied to `logits_out` in passing; (2) per
-row, log-sum-exp and top-k from those partials. Ties go to the lowest id, as torch.argmax does.
-logits (B, V) -> out (B, 2 + 2k) float64: greedy id, its logprob, k ids, their logprobs.
-"""
+"""Each logits row's greedy token and top-k logprobs in two launches: per-chunk max, sum of exp and
+top-k partials, then a per-row merge. Ties go to the lowest id, as torch.argmax does."""
 
 from __future__ import annotations
 
@@ -74,7 +69,7 @@ def _merge_kernel(
 
 def logits_summary(logits: torch.Tensor, k: int, out: torch.Tensor,
                    logits_out: torch.Tensor | None = None, *, wrap=None) -> torch.Tensor:
-    """Fills and returns out; `logits_out` (B, V) fp32 gets the logits in the same pass."""
+    """out (B, 2+2k) f64: greedy id, logprob, k ids, logprobs; `logits_out` (B, V) fp32: logits."""
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be (B, V), last dim packed"
     assert logits.dtype in (torch.bfloat16, torch.float16, torch.float32), f"{logits.dtype}"
     b, v = logits.shape
@@ -87,7 +82,6 @@ def logits_summary(logits: torch.Tensor, k: int, out: torch.Tensor,
         return out
     chunk = min(CHUNK, triton.next_power_of_2(v))
     n_chunks = triton.cdiv(v, chunk)
-    # partials: (max, sum) per chunk, then k candidates (value, id) per chunk
     part = torch.empty(b, n_chunks, 2, dtype=torch.float32, device=logits.device)
     cand_v = torch.empty(b, n_chunks * k, dtype=torch.float32, device=logits.device)
     cand_i = torch.empty(b, n_chunks * k, dtype=torch.int32, device=logits.device)
@@ -111,8 +105,8 @@ def logits_summary_ref(logits: torch.Tensor, k: int, out: torch.Tensor | None = 
     if logits_out is not None:
         logits_out.copy_(x)
     lp = torch.log_softmax(x, dim=-1)
-    ids = torch.argmax(x, dim=-1, keepdim=True)  # (B, 1)
-    vals, top = torch.topk(lp, k, dim=-1)  # (B, k)
+    ids = torch.argmax(x, dim=-1, keepdim=True)
+    vals, top = torch.topk(lp, k, dim=-1)
     packed = torch.cat([ids.double(), lp.gather(-1, ids).double(), top.double(), vals.double()],
-                       dim=-1)  # (B, 2 + 2k)
+                       dim=-1)
     return packed if out is None else out.copy_(packed)

@@ -1,10 +1,5 @@
-"""The kernels as the model calls them: one dispatcher picks the reference, custom op or launch.
-
-`use_triton=None`: Triton on CUDA tensors, the PyTorch reference on CPU ones (True needs
-TRITON_INTERPRET=1 on the CPU). Code traced by torch.compile calls the custom op
-(`torch.ops.prefill.*`, through `wrap_triton`); eager code launches directly, skipping the
-custom-op dispatcher's host time. Ops write into given outputs and their fakes allocate nothing.
-"""
+"""The kernels as the model calls them: `use_triton=None` is Triton on CUDA tensors, else the
+PyTorch reference; torch.compile uses the `torch.ops.prefill.*` op, eager code launches directly."""
 
 from __future__ import annotations
 
@@ -25,8 +20,8 @@ Tensor = torch.Tensor
 
 def _kernel_op(name: str, mutates: set[str], ref: Callable, launch: Callable,
                to_op: Callable | None = None) -> Callable[[Callable], Callable]:
-    """Registers the decorated out-variant as `prefill::<name>`; returns `run(use_triton, *args)`
-    calling `ref`, the op (arguments mapped by `to_op`) or `launch`."""
+    """Registers the out-variant as `prefill::<name>` (its fake allocates nothing); returns
+    `run(use_triton, *args)` calling `ref`, the op (arguments mapped by `to_op`) or `launch`."""
 
     def register(body: Callable) -> Callable:
         op = triton_op(f"prefill::{name}", mutates_args=mutates)(body)

@@ -1,9 +1,5 @@
-"""RMSNorm (Zhang & Sennrich, 2019) and fused residual-add + RMSNorm, one program per row.
-
-Rounded as Hugging Face Llama does: fp32 statistics, the normalised row cast to the input dtype,
-then times the weight. x (T, N), last dim contiguous; a whole row sits in registers (one read,
-one write per element; N <= 65536). `fused_add_rms_norm` is vLLM's in-place contract.
-"""
+"""RMSNorm and fused residual-add + RMSNorm, one program per row held in registers (N <= 65536).
+Rounded as HF Llama: fp32 statistics, normalised row cast to x's dtype, then times the weight."""
 
 from __future__ import annotations
 
@@ -89,7 +85,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *,
     wrap=None
 ) -> torch.Tensor:
-    """y = rms_norm(x) * weight, in x's dtype. x: (T, N)."""
+    """y = rms_norm(x) * weight, in x's dtype. x: (T, N), last dim contiguous."""
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, None, weight, eps, out, wrap)

@@ -1,10 +1,5 @@
-"""Rotary position embedding (Su et al., 2021; GPT-NeoX halves, as in HF Llama), in place.
-
-out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin from a (max_pos, D) fp32 cos|sin cache. q (T, H, D),
-k (T, KVH, D), strided rows; one program per token rotates all its heads. Folded norm
-(`norm_rows`): rms_norm(x) @ W^T = rstd(x) * (x @ (W * g)^T), so the input norm's kernel goes and
-its scale is applied here to q, k, v before the bias (which the GEMM cannot add) and the rotation.
-"""
+"""Rotary position embedding (GPT-NeoX halves, as HF Llama) in place, one program per token.
+`norm_rows`: rms_norm(x) @ W^T = rstd(x) * (x @ (W*g)^T), so q, k, v get rstd, then bias, here."""
 
 from __future__ import annotations
 
@@ -89,7 +84,7 @@ def _apply_rope_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cp + offs_d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cp + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
     scale = 1.0
-    if NORM:  # the folded RMSNorm: q, k, v scaled by the norm row's rstd
+    if NORM:
         scale = row_rstd(norm_ptr + t * stride_nt, norm_cols, eps, BLOCK_NORM)
     q_size = n_q_heads * 2 * HALF
     k_size = n_k_heads * 2 * HALF
@@ -175,7 +170,7 @@ def apply_rope_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, like `apply_rope`; math in fp32."""
     half = q.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()]  # (T, D)
+    cs = cos_sin_cache[positions.long()]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     heads = [(q, True), (k, True)] if norm_rows is None else [(q, True), (k, True), (v, False)]
     scale = 1.0 if norm_rows is None else row_rstd_ref(norm_rows, eps)[:, :, None]  # (T, 1, 1)
@@ -214,11 +209,11 @@ def rope_cos_sin_cache(
 ) -> torch.Tensor:
     """(max_pos, D) fp32 cos | sin on the CPU; `scaling`: HF rope_scaling (default or llama3)."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # (D/2,)
+    inv_freq = 1.0 / (theta**exponent)
     rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif rope_type not in (None, "default"):
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only 'llama3')")
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # (P, D/2)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
