@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 TAG=${TAG:-}; R=$OUT/r$TAG; mkdir -p "$R"; ROOT=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
   > "$R/gpu.txt"
-STEPS=${STEPS:-load load1b gpu_tests dp kernel_tests capture sanitizer e2e}
+STEPS=${STEPS:-load load_x64 load1b load1b_x64 gpu_tests dp kernel_tests capture sanitizer e2e}
 step() {
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -22,12 +22,20 @@ step() {
   echo "   rc=$? $(tail -1 "$R/$name.log")"
   tar czf "$ROOT/results$TAG.tgz" -C "$ROOT" "r$TAG"
 }
-step load "${T_LOAD:-70}" env OUT="$R" python3 bench/load.py --spawn --env DEVICE=cuda \
-  --env MODEL_PRESET=smollm2-135m --env MODEL_PATH=.gpu_assets/smollm2 \
-  --concurrency 1,4,16,64 --duration 4 --max-requests 4000 --prompt-tokens 128 --ready-timeout 60
-step load1b "${T_LOAD:-70}" env OUT="$R/load-llama1b" python3 bench/load.py --spawn --env DEVICE=cuda \
-  --env MODEL_PRESET=llama-3.2-1b --env MODEL_PATH=.gpu_assets/smollm2 \
-  --concurrency 1,4,16,64 --duration 4 --max-requests 4000 --prompt-tokens 128 --ready-timeout 60
+# HTTP vs engine-only, 128-token prompts: one prompt per request, then 64 (LOAD_S seconds a level)
+LOAD=(--spawn --env DEVICE=cuda --env MODEL_PATH="$PWD/.gpu_assets/smollm2" --prompt-tokens 128
+      --duration "${LOAD_S:-5}" --max-requests 100000 --ready-timeout 120)
+step load "${T_LOAD:-200}" env OUT="$R" python3 bench/load.py "${LOAD[@]}" \
+  --env MODEL_PRESET=smollm2-135m --concurrency 1,16,64,128,256
+step load_x64 "${T_LOAD:-200}" env OUT="$R" python3 bench/load.py "${LOAD[@]}" \
+  --env MODEL_PRESET=smollm2-135m --concurrency 1,2,4 --prompts-per-request 64
+step load1b "${T_LOAD:-200}" env OUT="$R" python3 bench/load.py "${LOAD[@]}" \
+  --env MODEL_PRESET=llama-3.2-1b --concurrency 1,16,64,128
+step load1b_x64 "${T_LOAD:-200}" env OUT="$R" python3 bench/load.py "${LOAD[@]}" \
+  --env MODEL_PRESET=llama-3.2-1b --concurrency 1,2,4 --prompts-per-request 64
+# the same client against the code before the engine process (a worktree in .before, carried)
+step load_before "${T_LOAD:-200}" env OUT="$R/before" bash -c 'cd .before && python3 bench/load.py "$@"' _ \
+  "${LOAD[@]}" --env MODEL_PRESET="${BEFORE_PRESET:-smollm2-135m}" --concurrency 1,16,64 --env API_WORKERS=1
 step gpu_tests "${T_TESTS:-70}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
   tests/engine/test_graph_gpu.py tests/model/test_model_gpu.py
 step fold_tests "${T_FOLD:-90}" python3 -m pytest -v -p no:cacheprovider \

@@ -15,7 +15,7 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
 wheels=()
 for p in fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv uvicorn \
          httptools uvloop annotated-types typing-inspection typing-extensions opentelemetry-api \
-         gguf; do
+         gguf pyzmq msgspec; do
   wheels+=("$p==$("$PY" -m pip show "$p" | sed -n 's/^Version: //p')")
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -24,8 +24,8 @@ mkdir -p .gpu_assets/smollm2
 "$PY" - <<'PYEOF'
 import json
 
-from service.model.loader import default_model_path
-from service.model.loader_gguf import config_from_gguf, gguf_metadata, read_gguf
+from service.model.files import default_model_path, gguf_metadata, read_gguf
+from service.model.loader_gguf import config_from_gguf
 from service.model.tokenizer import tokenizer_from_gguf
 
 path = default_model_path()

@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     cpu_threads: int = Field(0, ge=0, le=1024, description=(
         "Threads of torch's CPU kernels; `0`: the CPUs this process may use (its affinity "
         "mask capped by the cgroup CPU quota, i.e. a Kubernetes CPU limit, rounded down)."))
+    api_workers: int = Field(0, ge=0, le=64, **_shown("`0`: from the CPU count"), description=(
+        "API worker processes (HTTP, validation, tokenization, JSON) in front of the one engine "
+        "process; `0`: (usable CPUs − 2) / 2, between 1 and 8."))
     host: str = Field("0.0.0.0", description="Listen address.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
     api_key: str | None = Field(None, description=(
@@ -204,6 +207,7 @@ class ServerConfig:
     """What the HTTP server needs: every field is the setting of the same name."""
 
     served_model_name: str
+    api_workers: int = 1
     host: str = "0.0.0.0"
     port: int = 8000
     api_key: str | None = None
@@ -252,7 +256,14 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
                 cuda_graph_buckets=tuple(int(x) for x in buckets.split(",")) if buckets else None,
                 cpu_threads=settings.cpu_threads or usable_cpus())
     name = settings.served_model_name or model_name(settings.model_path, settings.model_preset)
-    return eng, _from(ServerConfig, settings, served_model_name=name)
+    return eng, _from(ServerConfig, settings, served_model_name=name,
+                      api_workers=settings.api_workers or auto_api_workers(usable_cpus()))
+
+
+def auto_api_workers(cpus: int) -> int:
+    """Two CPUs for the engine process, two per worker (its event loop and the kernel's network
+    work), at most eight: beyond that one engine is the limit, not HTTP."""
+    return max(1, min(8, (cpus - 2) // 2))
 
 
 def settings_table() -> str:

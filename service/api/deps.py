@@ -1,4 +1,4 @@
-"""Annotated dependencies: the app state and the bearer-token check."""
+"""Annotated dependencies (the app state, the bearer-token check) and the JSON response."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from service.api.errors import Unauthorized
 from service.api.state import AppState
@@ -17,6 +19,12 @@ async def get_state(request: Request) -> AppState:
 
 
 State = Annotated[AppState, Depends(get_state)]
+
+
+def json_response(body: BaseModel) -> Response:
+    """`body` serialized once, by pydantic; the route's response_model stays for the schema.
+    (Returning the model would make FastAPI dump, re-validate and encode it: three passes.)"""
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def require_api_key(state: State,

@@ -13,8 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.config import error_message
-from service.engine.kv_pool import KVPoolExhausted
-from service.engine.prompt import ForwardFailed, NotReady, QueueFull
+from service.engine.interface import ForwardFailed, KVPoolExhausted, NotReady, QueueFull
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Between routes and scheduler: tokenize and check prompts, submit, await, handle disconnects."""
+"""Between routes and engine: tokenize and check prompts, submit, await, handle disconnects."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from starlette.types import Receive
 from service.api.errors import BadInput, ClientDisconnected, ModelNotFound, PromptTooLong
 from service.api.state import AppState
 from service.config import clip
-from service.engine.prompt import NotReady, Prompt, PromptResult
-from service.engine.sampling import SamplingParams
+from service.engine.interface import NotReady, PromptResult, SamplingParams
 
 T = TypeVar("T")
 
@@ -70,7 +69,7 @@ def encode_texts(state: AppState, texts: Sequence[str], field: str,
 
 def check_ids(state: AppState, prompts: list[list[int]], field: str,
               single: bool) -> list[list[int]]:
-    vocab = state.scheduler.info.vocab_size
+    vocab = state.engine.info.vocab_size
     limit = state.max_prompt_tokens
     if len(prompts) > state.engine_cfg.max_queue_requests:
         raise BadInput(f"{field}: {len(prompts)} prompts in one request; at most "
@@ -95,28 +94,24 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 async def run_prompts(state: AppState, http: HTTPRequest, prompts: list[list[int]],
                       params: SamplingParams) -> list[PromptResult]:
-    """Submit all prompts at once and await every result; if the client goes, cancel them all."""
+    """Send all prompts as one engine request and await it; if the client goes, cancel it."""
     require_ready(state)
-    loop = asyncio.get_running_loop()
-    reqs = [Prompt(ids, params, loop) for ids in prompts]
-    state.scheduler.submit(reqs)
+    rid, results = state.engine.submit(prompts, params)
     state.active_requests += 1
-    results = asyncio.gather(*(r.future for r in reqs))
-    # NOTE: retrieve gather()'s exception, or asyncio logs "exception was never retrieved"
-    results.add_done_callback(lambda f: f.cancelled() or f.exception())
     watcher = asyncio.ensure_future(_wait_disconnect(http.receive))
     try:
         await asyncio.wait({results, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not results.done():
             raise ClientDisconnected()
-        return results.result()
+        out = results.result()
+        state.metrics.on_results(out)
+        return out
     except (asyncio.CancelledError, ClientDisconnected):
         state.metrics.count("cancelled")
         raise
     finally:
         state.active_requests -= 1
         watcher.cancel()
-        for r in reqs:
-            if not r.future.done():
-                state.scheduler.cancel(r)
-        results.cancel()
+        if not results.done():
+            state.engine.cancel(rid)
+            results.cancel()

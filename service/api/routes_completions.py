@@ -8,8 +8,9 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
-from service.api.deps import State, require_api_key
+from service.api.deps import State, json_response, require_api_key
 from service.api.errors import BadInput
 from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
 from service.api.schemas import (
@@ -21,8 +22,7 @@ from service.api.schemas import (
     PromptTokensDetails,
 )
 from service.api.state import AppState
-from service.engine.prompt import PromptResult
-from service.engine.sampling import PositionLogprobs, SamplingParams
+from service.engine.interface import PositionLogprobs, PromptResult, SamplingParams
 
 router = APIRouter(prefix="/v1", tags=["completions"], dependencies=[Depends(require_api_key)])
 
@@ -106,7 +106,7 @@ def to_choice(state: AppState, i: int, body: CompletionRequest, max_tokens: int,
 
 @router.post("/completions", response_model=CompletionResponse)
 async def completions(body: CompletionRequest, state: State,
-                      request: Request) -> CompletionResponse:
+                      request: Request) -> Response:
     max_tokens = check_supported(body)
     prompts, texts = await tokenized(state, request, body.model, prompt_inputs, state,
                                      body.prompt)
@@ -122,10 +122,10 @@ async def completions(body: CompletionRequest, state: State,
     state.metrics.count("ok")
     n_prompt = sum(r.prompt_tokens for r in results)
     n_gen = max_tokens * len(results)
-    return CompletionResponse(
+    return json_response(CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
         choices=choices,
         usage=CompletionUsage(
             prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen,
             prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=sum(r.cached_tokens for r in results))))
+                cached_tokens=sum(r.cached_tokens for r in results)))))

@@ -12,11 +12,11 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
-    """Liveness: 200 while the engine loop is alive (also while loading), 503 once it died."""
-    sched = state.scheduler
-    if sched.alive:
-        return JSONResponse({"status": "ok", "state": sched.state})
-    return JSONResponse({"status": "dead", "state": sched.state, "error": sched.error}, 503)
+    """Liveness: 200 while the engine process is alive (also while loading), 503 once it died."""
+    engine = state.engine
+    if engine.alive:
+        return JSONResponse({"status": "ok", "state": engine.state})
+    return JSONResponse({"status": "dead", "state": engine.state, "error": engine.error}, 503)
 
 
 @router.get("/ready")
@@ -25,12 +25,12 @@ async def ready(state: State) -> JSONResponse:
     if state.ready:
         return JSONResponse({"status": "ready"})
     # NOTE: no word containing "ready" in this body: scripts grep for it
-    reason = "draining" if state.draining else state.scheduler.state
+    reason = "draining" if state.draining else state.engine.state
     return JSONResponse({"status": "unavailable", "reason": reason,
-                         "error": state.scheduler.error}, 503, headers={"Retry-After": "5"})
+                         "error": state.engine.error}, 503, headers={"Retry-After": "5"})
 
 
 @router.get("/info")
 async def info(state: State) -> dict:
     """Model, device, dtype, graph buckets and every term of the memory budget."""
-    return state.info()
+    return state.info(await state.engine.stats())

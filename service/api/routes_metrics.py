@@ -12,4 +12,5 @@ router = APIRouter(tags=["metrics"])
 
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
-    return Response(state.metrics.render(), media_type=state.metrics.content_type)
+    snapshot = state.snapshot(await state.engine.stats())
+    return Response(state.metrics.render(snapshot), media_type=state.metrics.content_type)

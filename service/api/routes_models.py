@@ -13,7 +13,7 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
 
 @router.get("/models", response_model=ModelList)
 async def list_models(state: State) -> ModelList:
-    info = state.scheduler.info
+    info = state.engine.info
     if info is None:
         require_ready(state)
     card = ModelCard(id=state.model_name, created=state.created, root=info.model_path,

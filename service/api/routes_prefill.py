@@ -5,8 +5,9 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
-from service.api.deps import State, require_api_key
+from service.api.deps import State, json_response, require_api_key
 from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
 from service.api.schemas import (
     PrefillRequest,
@@ -17,8 +18,7 @@ from service.api.schemas import (
     TokenInfo,
 )
 from service.api.state import AppState
-from service.engine.prompt import PromptResult
-from service.engine.sampling import SamplingParams, TokenLogprob
+from service.engine.interface import PromptResult, SamplingParams, TokenLogprob
 
 router = APIRouter(prefix="/v1", tags=["prefill"], dependencies=[Depends(require_api_key)])
 
@@ -55,7 +55,7 @@ def to_result(state: AppState, i: int, ids: list[int], res: PromptResult) -> Pre
 
 
 @router.post("/prefill", response_model=PrefillResponse)
-async def prefill(body: PrefillRequest, state: State, request: Request) -> PrefillResponse:
+async def prefill(body: PrefillRequest, state: State, request: Request) -> Response:
     """Prefill each prompt and return its first token (greedy unless temperature > 0)."""
     prompts = await tokenized(state, request, body.model, prompt_ids, state, body)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -64,7 +64,7 @@ async def prefill(body: PrefillRequest, state: State, request: Request) -> Prefi
     results = await run_prompts(state, request, prompts, params)
     out = [to_result(state, i, ids, r) for i, (ids, r) in enumerate(zip(prompts, results))]
     state.metrics.count("ok")
-    return PrefillResponse(
+    return json_response(PrefillResponse(
         id=f"prefill-{uuid.uuid4().hex}", model=state.model_name, results=out,
         usage=PrefillUsage(prompt_tokens=sum(r.prompt_tokens for r in out),
-                           cached_tokens=sum(r.cached_tokens for r in out)))
+                           cached_tokens=sum(r.cached_tokens for r in out))))

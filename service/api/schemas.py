@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from service.engine.sampling import MAX_TOP_LOGPROBS
+from service.engine.interface import MAX_TOP_LOGPROBS
 
 
 def _unicode(text: str) -> str:

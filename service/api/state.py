@@ -1,4 +1,4 @@
-"""Per-app state (no globals): configs, the scheduler, metrics, drain flag; plain-number views."""
+"""Per-app state (no globals): configs, the engine client, tokenizer, metrics, drain flag."""
 
 from __future__ import annotations
 
@@ -6,25 +6,19 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from service.api.metrics import Metrics
+from service.api.engine_client import EngineClient
 from service.config import EngineConfig, ServerConfig
-from service.engine.prompt import NotReady
-from service.engine.scheduler import Scheduler
-
-
-def _device_name(device: str) -> str:
-    if device != "cuda":
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(0)
+from service.engine.interface import EngineStats, NotReady
+from service.metrics import Metrics
+from service.model.tokenizer import TextTokenizer
 
 
 @dataclass
 class AppState:
     engine_cfg: EngineConfig
     server_cfg: ServerConfig
-    scheduler: Scheduler
+    engine: EngineClient
+    tokenizer: TextTokenizer
     metrics: Metrics
     draining: bool = False
     active_requests: int = 0  # HTTP requests waiting on the engine (drain waits for 0)
@@ -32,11 +26,7 @@ class AppState:
 
     @property
     def ready(self) -> bool:
-        return self.scheduler.state == "ready" and not self.draining
-
-    @property
-    def tokenizer(self):  # noqa: ANN201 - the served model's TextTokenizer
-        return self.scheduler.tokenizer
+        return self.engine.state == "ready" and not self.draining
 
     @property
     def model_name(self) -> str:
@@ -46,7 +36,7 @@ class AppState:
     def prompt_limit(self) -> tuple[int, str]:
         """The longest prompt that can run, and which limit sets it."""
         limits = [(self.engine_cfg.max_prompt_tokens, "MAX_PROMPT_TOKENS")]
-        info = self.scheduler.info
+        info = self.engine.info
         if info is not None:
             limits += [(info.context_length, "the model's context length"),
                        (info.kv_capacity_tokens, "the KV pool's capacity")]
@@ -59,14 +49,13 @@ class AppState:
     def begin_drain(self) -> None:
         self.draining = True
 
-    def refusal(self) -> Exception | None:
+    def refusal(self, prompts: int = 1) -> Exception | None:
         """Why a prefill request would be refused now, or None."""
         if self.draining:
             return NotReady("server is draining (shutting down); retry on another replica")
-        return self.scheduler.admission_error()
+        return self.engine.admission_error(prompts)
 
-    def snapshot(self) -> dict[str, float]:
-        stats = self.scheduler.stats()
+    def snapshot(self, stats: EngineStats) -> dict[str, float]:
         snap: dict[str, float] = {
             "mem_fraction_static": self.engine_cfg.mem_fraction_static,
             "queue_requests": stats.queue_requests,
@@ -74,7 +63,7 @@ class AppState:
             "running_requests": stats.running_requests,
             "ready": 1.0 if self.ready else 0.0,
         }
-        info = self.scheduler.info
+        info = self.engine.info
         if info is not None:
             mem = info.memory
             for k in ("capture_bytes", "capture_seconds", "retained_input_bytes", "kv_bytes",
@@ -86,11 +75,11 @@ class AppState:
                         graph_buckets=len(mem.buckets), mem_fraction_static=mem.mem_fraction_static)
         return snap
 
-    def info(self) -> dict:
+    def info(self, stats: EngineStats) -> dict:
         cfg = self.engine_cfg
         out: dict = {
-            "state": "draining" if self.draining else self.scheduler.state,
-            "error": self.scheduler.error,
+            "state": "draining" if self.draining else self.engine.state,
+            "error": self.engine.error,
             "model": self.model_name,
             "device": cfg.device,
             "dtype": cfg.dtype,
@@ -102,17 +91,17 @@ class AppState:
                 "max_body_bytes": self.server_cfg.max_body_bytes,
             },
         }
-        info = self.scheduler.info
+        info = self.engine.info
         if info is None:
             return out
-        mem, stats = info.memory, self.scheduler.stats()
+        mem = info.memory
         out.update({
             "model_path": info.model_path,
             "model_preset": cfg.model_preset,
             "architecture": info.architecture,
             "vocab_size": info.vocab_size,
-            "device_name": _device_name(cfg.device),
-            "load_seconds": round(self.scheduler.load_seconds, 3),
+            "device_name": info.device_name,
+            "load_seconds": round(info.load_seconds, 3),
             "graph": {"enabled": bool(mem.buckets), "buckets": list(mem.buckets),
                       "max_tokens": cfg.cuda_graph_max_tokens,
                       "full_buckets": list(mem.full_buckets),

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.full_buffers import capture_chunks
+from service.engine.interface import MemoryReport
 from service.engine.kv_pool import KVPool
 from service.engine.memory import (
     ALLOC_GRANULE,
     InsufficientMemory,
     KVPlan,
     MemoryReader,
-    MemoryReport,
     gib,
     plan_kv,
     refuse_message,

@@ -18,12 +18,11 @@ from service.engine.buckets import Buckets, resolve_buckets
 from service.engine.capture import Graphs, capture_and_size
 from service.engine.dp import DPGroup, DPRunner
 from service.engine.graph import CudaGraphBackend
-from service.engine.interface import EngineInfo
+from service.engine.interface import EngineInfo, MemoryReport
 from service.engine.kv_pool import KVPool
 from service.engine.memory import (
     InsufficientMemory,
     MemoryReader,
-    MemoryReport,
     cuda_free_bytes,
     gib,
 )
@@ -174,7 +173,9 @@ class EngineCore:
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_path, self.model_cfg.arch, self.model_cfg.vocab_size,
                           self.model.max_positions, self.pool.page_size,
-                          self.pool.capacity_tokens, self.memory)
+                          self.pool.capacity_tokens, self.memory,
+                          device_name=(torch.cuda.get_device_name(self.device)
+                                       if self.device.type == "cuda" else "cpu"))
 
     @property
     def max_batch_tokens(self) -> int:

@@ -1,10 +1,91 @@
-"""What the HTTP API may know of the engine, as plain data; it never reads the engine itself."""
+"""What the API knows of the engine, as plain data (no torch) that crosses process boundaries."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from service.engine.memory import MemoryReport
+MAX_TOP_LOGPROBS = 20
+
+
+class QueueFull(Exception):
+    """Too many prompts are waiting; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(Exception):
+    """The engine is loading, draining, stopped or dead."""
+
+
+class ForwardFailed(Exception):
+    """The forward of this request's batch raised."""
+
+
+class KVPoolExhausted(Exception):
+    """The KV pool cannot hold the pages asked for."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    seed: int | None = None
+    top_logprobs: int = 0  # alternatives reported for the next token (and prompt positions)
+    prompt_logprobs: bool = False  # logprob of every prompt token given its prefix
+
+    def __post_init__(self) -> None:
+        assert self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"
+        assert 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"
+        assert self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"
+        assert 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, (
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class TokenLogprob(NamedTuple):
+    id: int
+    logprob: float
+
+
+class PositionLogprobs(NamedTuple):
+    token: TokenLogprob
+    top: list[TokenLogprob]
+
+
+class PromptResult(NamedTuple):
+    prompt_tokens: int
+    cached_tokens: int
+    next: PositionLogprobs  # the first generated token
+    prompt_logprobs: list[PositionLogprobs] | None  # positions 1..n-1 (position 0 has none)
+    queue_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    free_before_bytes: int
+    weights_bytes: int
+    capture_bytes: int
+    retained_input_bytes: int
+    kv_bytes: int
+    kv_tokens: int
+    reserve_bytes: int
+    eager_peak_bytes: int
+    mem_fraction_static: float
+    capture_seconds: float
+    buckets: tuple[int, ...] = field(default_factory=tuple)
+    free_after_capture_bytes: int = 0
+    static_buffer_bytes: int = 0  # the runner's shared max-size buffers (part of capture)
+    graphs: int = 0
+    path: str = "cpu"  # "cuda-graphs" | "cuda-eager" | "cpu"
+    full_buckets: tuple[int, ...] = field(default_factory=tuple)  # buckets with a full graph
 
 
 @dataclass(frozen=True)
@@ -16,6 +97,8 @@ class EngineInfo:
     page_size: int
     kv_capacity_tokens: int
     memory: MemoryReport
+    load_seconds: float = 0.0
+    device_name: str = "cpu"
 
 
 @dataclass(frozen=True)

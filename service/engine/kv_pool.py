@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from service.engine.interface import KVPoolExhausted
 from service.engine.pages import pages_for
 from service.model.config import ModelConfig
 from service.model.meta import KVCache
-
-
-class KVPoolExhausted(Exception):
-    """Not enough free KV pages for a request right now."""
 
 
 class PageAllocator:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,26 +18,6 @@ GIB = float(1 << 30)
 
 class InsufficientMemory(Exception):
     """MEM_FRACTION_STATIC leaves no room for the KV pool after weights and graphs."""
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    free_before_bytes: int
-    weights_bytes: int
-    capture_bytes: int
-    retained_input_bytes: int
-    kv_bytes: int
-    kv_tokens: int
-    reserve_bytes: int
-    eager_peak_bytes: int
-    mem_fraction_static: float
-    capture_seconds: float
-    buckets: tuple[int, ...] = field(default_factory=tuple)
-    free_after_capture_bytes: int = 0
-    static_buffer_bytes: int = 0  # the runner's shared max-size buffers (part of capture)
-    graphs: int = 0
-    path: str = "cpu"  # "cuda-graphs" | "cuda-eager" | "cpu"
-    full_buckets: tuple[int, ...] = field(default_factory=tuple)  # buckets with a full graph
 
 
 def cuda_free_bytes(device: torch.device | str) -> MemoryReader:

@@ -1,69 +1,42 @@
-"""What the scheduler queues and returns: Prompt, PromptResult, its errors and observer hooks."""
+"""What the scheduler queues: a Prompt with its completion callback; the observer hooks."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from service.engine.batch import SeqChunk, token_array
+from service.engine.interface import PositionLogprobs, PromptResult, SamplingParams
 from service.engine.pages import pages_for
-from service.engine.sampling import (
-    LastRow,
-    PositionLogprobs,
-    SamplingParams,
-    next_token,
-    prompt_logprobs,
-)
+from service.engine.sampling import LastRow, next_token, prompt_logprobs
 
-
-class QueueFull(Exception):
-    """Too many prompts are waiting; retry after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class NotReady(Exception):
-    """The engine is loading, draining, stopped or dead."""
-
-
-class ForwardFailed(Exception):
-    """The forward of this request's batch raised."""
+# Called once with (result, None) or (None, error), from the engine thread or an abort
+OnDone = Callable[[PromptResult | None, BaseException | None], None]
 
 
 class Observer(Protocol):
-    """Plain-number hooks for metrics (called from the engine thread)."""
+    """The metrics hook of each forward (called from the engine thread). Per-prompt numbers
+    travel in each PromptResult and are recorded where the request is answered."""
 
     def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None: ...
-    def on_admit(self, queue_wait_s: float) -> None: ...
-    def on_finish(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None: ...
-
-
-class PromptResult(NamedTuple):
-    prompt_tokens: int
-    cached_tokens: int
-    next: PositionLogprobs  # the first generated token
-    prompt_logprobs: list[PositionLogprobs] | None  # positions 1..n-1 (position 0 has none)
-    queue_s: float
-    prefill_s: float
 
 
 class Prompt:
-    """One prompt. `cancelled` is written by the loop thread; the rest by the engine thread."""
+    """One prompt. `cancelled` is written by the submitting thread; the rest by the engine
+    thread."""
 
-    def __init__(self, token_ids: list[int] | tuple[int, ...], params: SamplingParams,
-                 loop: asyncio.AbstractEventLoop):
-        assert token_ids, "a request needs at least one token"
-        self.token_ids = tuple(token_ids)
+    def __init__(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
+                 on_done: OnDone):
+        assert len(token_ids), "a request needs at least one token"
         # NOTE: built here, off the engine thread; chunks and cache keys are views of it
-        self.ids = token_array(self.token_ids)
+        self.ids = token_array(token_ids)
+        self.token_ids = tuple(self.ids.tolist())
         self.params = params
-        self.loop = loop
-        self.future: asyncio.Future[PromptResult] = loop.create_future()
+        self.on_done = on_done
         self.arrival = time.perf_counter()
         self.admitted_at = 0.0
         self.pages: list[int] = []
@@ -82,7 +55,6 @@ class Prompt:
         return SeqChunk(self.token_ids[self.done:end], self.done,
                         tuple(self.pages[:pages_for(end, page_size)]),
                         all_logits=self.params.prompt_logprobs, ids=self.ids[self.done:end])
-
 
     def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow
                ) -> PromptResult | None:
@@ -105,10 +77,4 @@ class Prompt:
 
 class NullObserver:
     def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None:
-        pass
-
-    def on_admit(self, queue_wait_s: float) -> None:
-        pass
-
-    def on_finish(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
         pass

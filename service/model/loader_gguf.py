@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,29 +21,6 @@ _LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-
-
-def read_gguf(path: Path):
-    import gguf
-
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: GGUF file not found")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct.error/IndexError on damaged files
-        raise ModelLoadError(f"{path}: cannot read GGUF (truncated or corrupt?): {e}") from e
-
-
-def gguf_metadata(reader) -> dict[str, Any]:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # an odd field type we do not need
-            continue
-    return meta
 
 
 def config_from_gguf(meta: dict[str, Any], where: str) -> ModelConfig:

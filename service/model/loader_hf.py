@@ -8,19 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
-
-
-def read_hf_config(model_dir: Path) -> tuple[ModelConfig, dict]:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: missing model config (config.json is required)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
-    return ModelConfig.from_hf_dict(raw, where=str(path)), raw
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

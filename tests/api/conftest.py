@@ -9,7 +9,10 @@ fail forwards on demand, so building an app costs no model load.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,10 +21,18 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+import zmq
 
-from service.__main__ import uvicorn_config
 from service.api.app import create_app
+from service.api.engine_client import EngineClient
+from service.api.worker import uvicorn_config
 from service.config import load_settings, resolve
+from service.engine import server
+from service.engine.board import QueueBoard
+from service.engine.messages import Addresses
+from service.engine.scheduler import Scheduler
+from service.metrics import Metrics
+from service.model.files import model_tokenizer
 
 FAULT_TOKEN = 31337  # a prompt containing this id makes TestEngine.forward raise
 _CORE_LOCK = threading.Lock()  # every TestEngine shares the one real core: one forward at a time
@@ -60,11 +71,40 @@ class TestEngine:
         pass
 
 
-class LiveApp:
-    """An app with its lifespan running on a private event-loop thread."""
+class EngineThread:
+    """The engine process's server loop on a thread of this process, over real ZeroMQ sockets."""
 
-    def __init__(self, app: Any):
-        self.app = app
+    def __init__(self, make_scheduler: Callable[[Callable[[int, int], None]], Scheduler]):
+        self.dir = tempfile.mkdtemp(prefix="tp-")  # short: IPC paths are limited to ~100 bytes
+        self.addrs = Addresses.in_dir(self.dir)
+        self.board = QueueBoard(self.addrs.board, create=True)
+        self.scheduler = scheduler = make_scheduler(self.board.write)
+        self.ctx = zmq.Context()
+        inbox, router = server.bind(self.ctx, self.addrs)
+        self.server = server.EngineServer(scheduler, server.Outbox(router))
+        self.stop = threading.Event()
+        scheduler.start(lambda exc: self.server.broadcast_status())
+        self.thread = threading.Thread(target=self.server.serve, args=(inbox, self.stop),
+                                       daemon=True)
+        self.thread.start()
+
+    def silence(self) -> None:
+        """Stop reading and close both sockets: from now on the engine answers nothing."""
+        self.stop.set()
+        self.thread.join(10)
+        self.ctx.destroy(0)
+
+    def close(self) -> None:
+        self.silence()
+        self.scheduler.stop(10.0)  # a forward under way finishes and frees its pages
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class LiveApp:
+    """An app with its lifespan running on a private event-loop thread, its engine on another."""
+
+    def __init__(self, app: Any, engine: EngineThread, alive: Any):
+        self.app, self.engine_thread, self._alive = app, engine, alive
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -85,8 +125,18 @@ class LiveApp:
         return self.app.state.prefill
 
     @property
+    def scheduler(self) -> Scheduler:
+        return self.engine_thread.scheduler
+
+    @property
     def engine(self) -> TestEngine:
-        return self.state.scheduler.engine
+        return self.scheduler.engine
+
+    def kill_engine(self) -> None:
+        """What the workers see when the engine process dies: its end of the alive pipe closes,
+        and it answers nothing more."""
+        self.engine_thread.silence()
+        self._alive.close()
 
     def run(self, coro: Any, timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -110,6 +160,7 @@ class LiveApp:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            self.engine_thread.close()
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -152,17 +203,31 @@ def core() -> Any:
     eng.close()
 
 
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    return model_tokenizer(None)
+
+
 @pytest.fixture
-def make_app(core: Any) -> Iterator[Callable[..., LiveApp]]:
-    """make_app(env overrides..., engine_factory=None, max_batch_tokens=None) -> ready LiveApp."""
+def make_app(core: Any, tokenizer: Any) -> Iterator[Callable[..., LiveApp]]:
+    """make_app(env overrides..., engine_factory=None, max_batch_tokens=None) -> ready LiveApp:
+    the app in this process, its engine's server loop on a thread, ZeroMQ between them."""
     apps: list[LiveApp] = []
 
     def make(engine_factory: Callable | None = None, max_batch_tokens: int | None = None,
-             wait: bool = True, on_fatal: Callable | None = None, **env: Any) -> LiveApp:
+             wait: bool = True, **env: Any) -> LiveApp:
         eng_cfg, srv_cfg = configs(**env)
         factory = engine_factory or (lambda cfg: TestEngine(core, max_batch_tokens))
-        live = LiveApp(create_app(engine_cfg=eng_cfg, server_cfg=srv_cfg,
-                                  engine_factory=factory, on_fatal=on_fatal))
+        metrics = Metrics(srv_cfg.served_model_name)
+        engine = EngineThread(lambda on_queue: Scheduler(
+            lambda: factory(eng_cfg), max_queue=eng_cfg.max_queue_requests,
+            max_batch_prompts=eng_cfg.max_batch_prompts, prefix_cache=eng_cfg.prefix_cache,
+            observer=metrics, on_queue=on_queue))
+        alive_r, alive_w = multiprocessing.Pipe(duplex=False)
+        client = EngineClient(engine.addrs, 0, max_queue=eng_cfg.max_queue_requests,
+                              alive=alive_r)
+        app = create_app(eng_cfg, srv_cfg, client, tokenizer, metrics=metrics)
+        live = LiveApp(app, engine, alive_w)
         apps.append(live)
         if wait:
             live.wait_ready()
@@ -184,22 +249,38 @@ def api(make_app: Callable[..., LiveApp]) -> LiveApp:
 def served(make_app: Callable[..., LiveApp]) -> Iterator[Callable[..., str]]:
     """served(**env) -> base URL of an app under a real uvicorn (configured as the CLI does)
     on a free loopback port."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+    servers: list[tuple[uvicorn.Server, Any]] = []
 
     def serve(**env: Any) -> str:
         live = make_app(**env)
         port = free_port()
-        server = uvicorn.Server(uvicorn_config(live.app, live.state.server_cfg,
-                                               host="127.0.0.1", port=port, lifespan="off",
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        wait_for(lambda: server.started, 10, "uvicorn start")
+        uv = uvicorn.Server(uvicorn_config(live.app, live.state.server_cfg,
+                                           host="127.0.0.1", port=port, lifespan="off",
+                                           log_level="warning"))
+        # on the app's own loop, where its engine client lives
+        servers.append((uv, live.submit(uv.serve())))
+        wait_for(lambda: uv.started, 10, "uvicorn start")
         serve.live = live  # the latest app, for tests that reach into its engine
         return f"http://127.0.0.1:{port}"
 
     yield serve
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+    for uv, done in servers:
+        uv.should_exit = True
+        done.result(10)
+
+
+@pytest.fixture
+def service(tmp_path: Any) -> Iterator[Callable[..., Any]]:
+    """service(**env) -> a started `python -m service` (tests.api.services.Service), killed at
+    the end."""
+    from tests.api.services import Service
+
+    started: list[Service] = []
+
+    def start(wait: bool = True, **env: str) -> Service:
+        started.append(Service(tmp_path, wait, **env))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.close()

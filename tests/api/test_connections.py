@@ -142,12 +142,12 @@ def test_an_error_past_every_handler_is_a_json_500(served) -> None:
         def encode_within(self, text: str, limit: int) -> list[int]:
             raise ZeroDivisionError("tokenizer exploded")
 
-    engine = served.live.engine
-    engine.tokenizer = Broken()  # the proxy's own attribute shadows the real tokenizer
+    state = served.live.state
+    real, state.tokenizer = state.tokenizer, Broken()
     try:
         r = httpx.post(url + "/v1/prefill", json={"prompt": "Hello"})
     finally:
-        del engine.tokenizer
+        state.tokenizer = real
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert "ZeroDivisionError: tokenizer exploded" in r.json()["error"]["message"]
     assert metric(httpx.get(url + "/metrics").text, "prefill_requests_total",

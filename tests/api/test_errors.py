@@ -126,7 +126,7 @@ def test_queue_full_is_429(make_app) -> None:
         await until(lambda: live.engine.forwards)  # running now, queue empty
         waiting = [asyncio.ensure_future(live.client.post("/v1/prefill", json={"prompt": p}))
                    for p in ("b", "c")]
-        await until(lambda: live.state.scheduler.queue_depth == 2)
+        await until(lambda: live.scheduler.queue_depth == 2)
         over = await live.client.post("/v1/prefill", json={"prompt": "d"})
         return over, await asyncio.gather(first, *waiting)
 
@@ -156,7 +156,7 @@ def test_failing_batch_fails_only_itself(api) -> None:
     after = api.post("/v1/prefill", json={"prompt": "The capital of France is"})
     assert after.json()["results"][0]["next_token"]["text"] == " Paris"
     assert api.get("/health").status_code == 200
-    assert api.state.scheduler.kv_used_tokens == 0
+    assert api.scheduler.kv_used_tokens == 0
     assert metric(api.get("/metrics").text, "prefill_requests_total", status="error") == 1
 
 
@@ -168,15 +168,16 @@ def test_client_disconnect_frees_kv_pages(api, core) -> None:
         await until(lambda: api.engine.forwards)
         queued = asyncio.ensure_future(api.client.post(
             "/v1/prefill", json={"input_ids": [4242, 4243]}))
-        await until(lambda: api.state.scheduler.queue_depth == 1)
-        assert api.state.scheduler.kv_used_tokens > 0 and api.state.scheduler.queue_depth == 1
+        await until(lambda: api.scheduler.queue_depth == 1)
+        assert api.scheduler.kv_used_tokens > 0 and api.scheduler.queue_depth == 1
         running.cancel()
         queued.cancel()
         await asyncio.gather(running, queued, return_exceptions=True)
 
     api.run(go())
-    assert api.state.scheduler.queue_depth == 0
-    wait_for(lambda: api.state.scheduler.kv_used_tokens == 0, 5, "KV pages freed")
+    # cancellations reach the engine as messages: the queue empties and the pages free soon after
+    wait_for(lambda: api.scheduler.queue_depth == 0, 5, "the queued prompt dropped")
+    wait_for(lambda: api.scheduler.kv_used_tokens == 0, 5, "KV pages freed")
     assert not any(4242 in ids for f in api.engine.forwards for ids in f), "cancelled prompt ran"
     metrics = api.get("/metrics").text
     assert metric(metrics, "prefill_requests_total", status="cancelled") == 2
@@ -195,11 +196,11 @@ def test_unexpected_error_is_a_counted_json_500(api) -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             return await c.post("/v1/prefill", json={"prompt": "Hello"})
 
-    api.engine.tokenizer = Broken()  # the proxy's own attribute shadows the real tokenizer
+    real, api.state.tokenizer = api.state.tokenizer, Broken()
     try:
         r = api.run(call())
     finally:
-        del api.engine.tokenizer
+        api.state.tokenizer = real
     assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
     assert "ZeroDivisionError: tokenizer exploded" in r.json()["error"]["message"]
     assert metric(api.get("/metrics").text, "prefill_requests_total", status="error") == 1
@@ -263,7 +264,7 @@ def test_nan_sampling_values_must_be_numbers(api, field, value) -> None:
 def test_an_over_long_text_is_refused_without_tokenizing_all_of_it(api, monkeypatch) -> None:
     """A multi-megabyte prompt costs about the limit's worth of tokenizing, not its own size:
     the whole text is never handed to the tokenizer."""
-    tok = api.engine.tokenizer.tok
+    tok = api.state.tokenizer.tok
     seen: list[int] = []
 
     class Counting:
@@ -274,7 +275,7 @@ def test_an_over_long_text_is_refused_without_tokenizing_all_of_it(api, monkeypa
             seen.append(len(text))
             return tok.encode(text, *a, **kw)
 
-    monkeypatch.setattr(api.engine.tokenizer, "tok", Counting())
+    monkeypatch.setattr(api.state.tokenizer, "tok", Counting())
     prompt = "The quick brown fox jumps over the lazy dog. " * 45_000  # 2 MB
     r = api.post("/v1/prefill", json={"prompt": prompt})
     assert r.status_code == 400, r.text
@@ -288,7 +289,7 @@ def test_an_over_long_text_is_refused_without_tokenizing_all_of_it(api, monkeypa
 def test_requests_failed_at_shutdown_get_a_503_counted_as_rejected(api) -> None:
     """At the drain's end the scheduler fails what is in flight: clients get a retryable JSON
     503, and the metrics count what they saw (rejected), not a cancellation."""
-    from service.engine.prompt import NotReady
+    from service.engine.interface import NotReady
 
     api.engine.delay_s = 1.0
 
@@ -296,7 +297,7 @@ def test_requests_failed_at_shutdown_get_a_503_counted_as_rejected(api) -> None:
         pending = [asyncio.ensure_future(api.client.post("/v1/prefill", json={"prompt": p}))
                    for p in ("Hello", "The capital of France is")]
         await until(lambda: api.engine.forwards)
-        assert api.state.scheduler.abort(NotReady("server is shutting down")) == 2
+        assert api.scheduler.abort(NotReady("server is shutting down")) == 2
         return await asyncio.gather(*pending)
 
     for r in api.run(go()):
@@ -304,4 +305,4 @@ def test_requests_failed_at_shutdown_get_a_503_counted_as_rejected(api) -> None:
     metrics = api.get("/metrics").text
     assert metric(metrics, "prefill_requests_total", status="rejected") == 2
     assert metric(metrics, "prefill_requests_total", status="cancelled") == 0
-    wait_for(lambda: api.state.scheduler.kv_used_tokens == 0, 10, "pages freed")
+    wait_for(lambda: api.scheduler.kv_used_tokens == 0, 10, "pages freed")

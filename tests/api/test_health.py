@@ -55,17 +55,33 @@ def test_health_answers_while_loading(make_app, core) -> None:
 
 
 def test_failed_load_reports_dead(make_app) -> None:
-    fatal: list[str] = []
-
     def broken(cfg):
         raise FileNotFoundError("no weights at /nowhere")
 
-    live = make_app(engine_factory=broken, wait=False, on_fatal=fatal.append)
+    live = make_app(engine_factory=broken, wait=False)
     wait_for(lambda: live.get("/health").status_code == 503, 10, "/health 503")
     body = live.get("/health").json()
     assert body["state"] == "failed" and "no weights at /nowhere" in body["error"]
     assert live.get("/ready").status_code == 503
     r = live.post("/v1/prefill", json={"prompt": "Hi"})
     assert r.status_code == 503 and "no weights" in r.json()["error"]["message"]
-    wait_for(lambda: bool(fatal), 5, "on_fatal")
-    assert "FileNotFoundError" in fatal[0]
+    assert "FileNotFoundError" in r.json()["error"]["message"]
+
+
+def test_a_dead_engine_fails_health_ready_and_what_is_in_flight_at_once(make_app) -> None:
+    """The engine process's end of the alive pipe closes when it dies: no request waits for an
+    answer that cannot come, and no probe stays green."""
+    live = make_app()
+    live.engine.delay_s = 2.0  # the request below is in a forward when the engine dies
+    pending = live.submit(live.client.post("/v1/prefill", json={"prompt": "Hello"}))
+    wait_for(lambda: live.scheduler.running == 1, 10, "the request to run")
+    live.kill_engine()
+    r = pending.result(5)
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    assert "engine process is gone" in r.json()["error"]["message"]
+    health = live.get("/health")
+    assert health.status_code == 503 and health.json()["state"] == "dead"
+    assert live.get("/ready").status_code == 503
+    r = live.post("/v1/prefill", json={"prompt": "Hi"})
+    assert r.status_code == 503 and "gone" in r.json()["error"]["message"]
+    assert metric(live.get("/metrics").text, "prefill_ready") == 0

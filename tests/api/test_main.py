@@ -8,25 +8,18 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from service.__main__ import SHUTDOWN_MARGIN_S
+from service.api.worker import SHUTDOWN_MARGIN_S
 from service.model.loader import default_model_path
-from tests.api.conftest import free_port, metric, wait_for
+from tests.api.conftest import free_port, wait_for
+from tests.api.services import service_env
 
 REPO = Path(__file__).resolve().parents[2]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 400  # 4,001 tokens
-
-
-def service_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.isupper() and k not in (
-        "MODEL_PATH", "MODEL_PRESET", "API_KEY", "PORT", "HOST")}
-    env.update(PYTHONPATH=str(REPO), **extra)
-    return env
 
 
 def run_service(timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
@@ -98,61 +91,6 @@ def test_unusable_address_fails_before_loading(host) -> None:
     assert res.stderr.count("\n") == 1, res.stderr  # nothing was loaded: no log lines at all
 
 
-class Service:
-    """`python -m service` on a free loopback port, its log in a file."""
-
-    def __init__(self, tmp: Path, **env: str):
-        self.url = f"http://127.0.0.1:{(port := free_port())}"
-        self.log_path = tmp / "service.log"
-        self.log = self.log_path.open("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service"], cwd=REPO, stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=service_env(HOST="127.0.0.1", PORT=str(port), LOG_LEVEL="info", **env))
-        wait_for(lambda: self.status("/ready") == 200 or self.proc.poll() is not None, 120,
-                 "/ready")
-        assert self.proc.poll() is None, self.tail()
-
-    def tail(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()[-4000:]
-
-    def status(self, path: str) -> int:
-        try:
-            return httpx.get(self.url + path, timeout=5).status_code
-        except httpx.TransportError:
-            return -1
-
-    def post_in_background(self, body: dict) -> dict:
-        out: dict = {}
-        t = threading.Thread(target=lambda: out.update(
-            r=httpx.post(self.url + "/v1/prefill", json=body, timeout=300)), daemon=True)
-        t.start()
-        out["thread"] = t
-        wait_for(lambda: metric(httpx.get(self.url + "/metrics").text,
-                                "prefill_running_requests") > 0, 60, "the request to run")
-        return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-@pytest.fixture
-def service(tmp_path):
-    started: list[Service] = []
-
-    def start(**env: str) -> Service:
-        started.append(Service(tmp_path, **env))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.close()
-
-
 def test_sigterm_drains_and_exits_zero(service) -> None:
     svc = service(DRAIN_TIMEOUT_S="60", MAX_PREFILL_TOKENS="16", ACCESS_LOG="false")
     # ~300 tokens at 16 per forward: ~19 chunked forwards (longer on a busy machine; the drain
@@ -173,7 +111,7 @@ def test_sigterm_drains_and_exits_zero(service) -> None:
     assert slow["r"].json()["results"][0]["prompt_tokens"] > 250
     assert svc.proc.wait(timeout=30) == 0, svc.tail()
     log = svc.tail()
-    assert "draining for up to 60s (1 requests in flight)" in log
+    assert "signal 15: draining for up to 60s" in log and "draining (1 requests in flight)" in log
     assert '"POST /v1/prefill' not in log, "ACCESS_LOG=false still logged requests"
     assert "loaded SmolLM2-135M-Instruct.Q4_1 " in log and "Smollm2" not in log
 

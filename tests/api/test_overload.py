@@ -50,10 +50,10 @@ def test_a_429_is_answered_from_the_request_head(served, monkeypatch) -> None:
     live = served.live
     live.engine.delay_s = 2.0
     tokenized: list[str] = []
-    real = live.engine.tokenizer.encode_within
-    monkeypatch.setattr(live.engine.tokenizer, "encode_within",
+    real = live.state.tokenizer.encode_within
+    monkeypatch.setattr(live.state.tokenizer, "encode_within",
                         lambda text, limit: tokenized.append(text) or real(text, limit))
-    sched = live.state.scheduler
+    sched = live.scheduler
     busy = [live.submit(live.client.post("/v1/prefill", json={"prompt": "a"}))]
     wait_for(lambda: sched.running == 1, 30, "the first prompt to run")
     busy.append(live.submit(live.client.post("/v1/prefill", json={"prompt": "b"})))

@@ -256,8 +256,8 @@ def test_grace_period_covers_prestop_and_drain(overlay: str, rendered) -> None:
     sleep = prestop_sleep_s(container(docs))
     assert sleep > 0
     # The grace period starts with preStop; SIGTERM (and the drain) only after it returns. The
-    # process exits at most SHUTDOWN_MARGIN_S after the drain (service.__main__ enforces it).
-    from service.__main__ import SHUTDOWN_MARGIN_S
+    # process exits at most SHUTDOWN_MARGIN_S after the drain (service.api.worker enforces it).
+    from service.api.worker import SHUTDOWN_MARGIN_S
 
     need = drain + sleep + SHUTDOWN_MARGIN_S
     assert grace > need, (f"grace {grace}s <= drain {drain}s + preStop sleep {sleep}s + exit "

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.sampling import (
+from service.engine.interface import (
     MAX_TOP_LOGPROBS,
     PositionLogprobs,
     SamplingParams,
     TokenLogprob,
+)
+from service.engine.sampling import (
     choose,
     last_rows,
     make_generator,

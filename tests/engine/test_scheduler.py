@@ -9,10 +9,18 @@ import pytest
 import torch
 
 from service.engine.core import ForwardOutput
-from service.engine.interface import EngineInfo
-from service.engine.kv_pool import KVPoolExhausted, PageAllocator
-from service.engine.sampling import SamplingParams, last_rows
-from service.engine.scheduler import ForwardFailed, NotReady, Prompt, QueueFull, Scheduler
+from service.engine.interface import (
+    EngineInfo,
+    ForwardFailed,
+    KVPoolExhausted,
+    NotReady,
+    QueueFull,
+    SamplingParams,
+)
+from service.engine.kv_pool import PageAllocator
+from service.engine.prompt import Prompt
+from service.engine.sampling import last_rows
+from service.engine.scheduler import Scheduler
 
 V = 64
 
@@ -66,17 +74,43 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
+def start(s: Scheduler) -> asyncio.Future:
+    """Start `s`; the future resolves once the engine loaded (or fails with why not)."""
+    loop = asyncio.get_running_loop()
+    loaded = loop.create_future()
+
+    def on_loaded(exc: BaseException | None) -> None:
+        def settle() -> None:
+            if not loaded.done():
+                loaded.set_exception(exc) if exc else loaded.set_result(None)
+        loop.call_soon_threadsafe(settle)
+
+    s.start(on_loaded)
+    return loaded
+
+
 async def started(engine: FakeEngine, **kw) -> Scheduler:
     kw.setdefault("max_queue", 16)
     kw.setdefault("max_batch_prompts", 8)
     s = Scheduler(lambda: engine, **kw)
-    s.start(asyncio.get_running_loop())
-    await s.loaded
+    await start(s)
     return s
 
 
 def req(ids, **params) -> Prompt:
-    return Prompt(list(ids), SamplingParams(**params), asyncio.get_running_loop())
+    """A prompt whose `future` (on the running loop) gets its result or error."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def on_done(result, exc) -> None:
+        def settle() -> None:
+            if not fut.done():
+                fut.set_exception(exc) if exc else fut.set_result(result)
+        loop.call_soon_threadsafe(settle)
+
+    p = Prompt(list(ids), SamplingParams(**params), on_done)
+    p.future = fut
+    return p
 
 
 async def until(cond, what: str) -> None:
@@ -187,11 +221,11 @@ def test_not_ready_and_stop_fail_pending() -> None:
         gate = threading.Event()
         eng = FakeEngine()
         s = Scheduler(lambda: gate.wait(5) and eng, max_queue=4, max_batch_prompts=4)
-        s.start(asyncio.get_running_loop())
+        loaded = start(s)
         with pytest.raises(NotReady, match="loading"):
             s.submit([req([1])])
         gate.set()
-        await s.loaded
+        await loaded
         eng.free_run = False
         r1, r2 = req([1]), req([2] * 8)
         s.submit([r1])
@@ -213,9 +247,8 @@ def test_load_failure() -> None:
             raise OSError("disk on fire")
 
         s = Scheduler(broken, max_queue=4, max_batch_prompts=4)
-        s.start(asyncio.get_running_loop())
         with pytest.raises(RuntimeError, match="disk on fire"):
-            await s.loaded
+            await start(s)
         assert s.state == "failed" and "OSError: disk on fire" in s.error and not s.alive
 
     run(main())
@@ -254,13 +287,14 @@ def test_cancel_queued_never_runs_and_running_frees_pages() -> None:
         s.submit([queued])
         s.cancel(queued)
         s.cancel(running)
-        assert s.queue_depth == 0 and queued.future.cancelled()
+        assert s.queue_depth == 0 and queued.cancelled
         assert s.kv_used_tokens > 0  # its forward is still running
         eng.permits.release()
         await until(lambda: s.kv_used_tokens == 0, "pages freed after the forward")
         eng.permits.release(5)
         await asyncio.sleep(0.05)
         assert len(eng.calls) == 1, "a cancelled prompt was scheduled again"
+        assert not queued.future.done() and not running.future.done()  # never answered
         s.stop()
         assert eng.pool.used_tokens == 0
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.model.loader import default_model_path
-from service.model.loader_gguf import gguf_metadata, read_gguf
+from service.model.files import default_model_path, gguf_metadata, read_gguf
 from service.model.tokenizer import tokenizer_from_gguf
 
 TEXTS = {

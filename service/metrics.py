@@ -1,10 +1,13 @@
-"""Every Prometheus metric of the service, in base units, in one registry per app.
+"""Every Prometheus metric of the service, in base units; every series has the `model_name` label.
 
-Gauges read a plain-number snapshot at scrape time; every series has the `model_name` label."""
+Counters and histograms are recorded where they happen (API workers, the engine process); with
+PROMETHEUS_MULTIPROC_DIR set (by the supervisor) prometheus-client keeps them in per-process files
+that any worker's scrape sums. Gauges come from a plain-number snapshot taken at scrape time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -15,7 +18,10 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+from service.engine.interface import PromptResult
 
 REQUEST_STATUSES = ("ok", "bad_request", "rejected", "error", "cancelled", "unauthorized")
 FORWARD_MODES = ("graph", "eager")
@@ -50,12 +56,12 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _POW2 = tuple(float(1 << i) for i in range(0, 18))  # 1 .. 131072
 
 
-class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, float]], model_name: str):
+class _Gauges(Collector):
+    def __init__(self, snapshot: dict[str, float], model_name: str):
         self._snapshot, self._model = snapshot, model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        snap = self._snapshot()
+        snap = self._snapshot
         for key, (name, doc) in ENGINE_GAUGES.items():
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(snap.get(key, 0.0)))
@@ -67,9 +73,9 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    """The app's metrics; also the scheduler's Observer."""
+    """The service's metrics; also the scheduler's Observer."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, float]], model_name: str):
+    def __init__(self, model_name: str):
         # NOTE: process-wide switch; `*_created` series only add noise to every dashboard query.
         disable_created_metrics()
         self.registry = r = CollectorRegistry()
@@ -99,28 +105,34 @@ class Metrics:
         self.requests = {s: self._requests.labels(status=s, **m) for s in REQUEST_STATUSES}
         self.forwards = {f: forwards.labels(mode=f, **m) for f in FORWARD_MODES}
         self.forward_seconds = {f: forward_seconds.labels(mode=f, **m) for f in FORWARD_MODES}
-        r.register(_EngineCollector(snapshot, model_name))
+        self.model_name = model_name
 
     def count(self, status: str) -> None:
         assert status in REQUEST_STATUSES, f"unknown request status {status!r}"
         self.requests[status].inc()
 
-    # NOTE: the Observer hooks below run on the engine thread
     def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None:
+        """The scheduler's Observer hook, on the engine thread."""
         self.forwards[mode].inc()
         self.forward_seconds[mode].observe(seconds)
         self.batch_tokens.observe(tokens)
         self.batch_requests.observe(requests)
 
-    def on_admit(self, queue_wait_s: float) -> None:
-        self.queue_wait.observe(queue_wait_s)
-
-    def on_finish(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
-        self.ttft.observe(ttft_s)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(cached_tokens)
+    def on_results(self, results: Sequence[PromptResult]) -> None:
+        """A request's prompts, recorded by the API worker that answers it (the engine thread
+        has no time to spare for per-prompt metrics)."""
+        for r in results:
+            self.queue_wait.observe(r.queue_s)
+            self.ttft.observe(r.queue_s + r.prefill_s)  # arrival in the engine to first token
+        self.prompt_tokens.inc(sum(r.prompt_tokens for r in results))
+        self.cached_tokens.inc(sum(r.cached_tokens for r in results))
 
     content_type = CONTENT_TYPE_LATEST
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, snapshot: dict[str, float]) -> bytes:
+        """The exposition text: every process's counters and histograms, and `snapshot`'s gauges."""
+        registry = CollectorRegistry(auto_describe=True)
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        registry.register(MultiProcessCollector(None, path) if path else self.registry)
+        registry.register(_Gauges(snapshot, self.model_name))
+        return generate_latest(registry)

@@ -1,0 +1,199 @@
+"""A worker's handle on the engine process (submit, cancel, state, stats) over ZeroMQ. Its death
+is seen at once: the `alive` pipe's other end, held only by the engine, closes with it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from service.engine import messages as m
+from service.engine.board import QueueBoard
+from service.engine.interface import (
+    EngineInfo,
+    EngineStats,
+    NotReady,
+    PromptResult,
+    QueueFull,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+HELLO_EVERY_S = 0.2  # until the engine answers with its state (its ROUTER may not know us yet)
+STATS_TIMEOUT_S = 1.0
+GONE = "the engine process is gone; retry on another replica"
+
+
+class EngineClient:
+    def __init__(self, addrs: m.Addresses, worker: int, *, max_queue: int,
+                 alive: Connection | None = None):
+        self.addrs, self.worker, self.max_queue, self._alive = addrs, worker, max_queue, alive
+        self.state = "loading"  # the engine's: loading | ready | failed | stopped | dead
+        self.error: str | None = None
+        self.info: EngineInfo | None = None
+        self.last_stats = EngineStats()
+        self._board: QueueBoard | None = None
+        self._pending: dict[int, asyncio.Future[list[PromptResult]]] = {}
+        self._queries: dict[int, asyncio.Future[EngineStats]] = {}
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._ctx: zmq.Context | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._board = QueueBoard(self.addrs.board)
+        self._ctx = ctx = zmq.Context()
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never blocks; the engine reads as fast as it can
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(self.addrs.inbox)
+        self._dealer = zmq.asyncio.Context.shadow(ctx).socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.ROUTING_ID, m.routing_id(self.worker))
+        self._dealer.setsockopt(zmq.RCVHWM, 0)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(self.addrs.outbox)
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._greet())]
+        if self._alive is not None:
+            loop.add_reader(self._alive.fileno(), self._engine_gone)
+
+    async def close(self) -> None:
+        if self._alive is not None and self.state != "dead":
+            asyncio.get_running_loop().remove_reader(self._alive.fileno())
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all(NotReady("server is shutting down; retry on another replica"))
+        if self._ctx is not None:
+            self._push.close(0)
+            self._dealer.close(0)
+            self._ctx.term()
+        if self._board is not None:
+            self._board, board = None, self._board
+            board.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("loading", "ready")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def admission_error(self, prompts: int = 1) -> Exception | None:
+        """Why `prompts` more prompts would be refused now (the engine's queue board); cheap."""
+        if self.state != "ready":
+            why = f": {self.error}" if self.error else ""
+            return NotReady(f"engine is {self.state}{why}")
+        if self._board is None:
+            return NotReady("server is shutting down; retry on another replica")
+        queue, retry_after_s = self._board.read()
+        if queue + prompts > self.max_queue:
+            return QueueFull(f"{queue} prompts queued, limit {self.max_queue}", retry_after_s)
+        return None
+
+    def submit(self, prompts: Sequence[Sequence[int] | np.ndarray],
+               params: SamplingParams) -> tuple[int, asyncio.Future[list[PromptResult]]]:
+        if self.state != "ready":
+            raise NotReady(GONE if self.state == "dead" else f"engine is {self.state}")
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self._send(m.Submit(self.worker, rid, [m.pack_ids(p) for p in prompts], params))
+        return rid, fut
+
+    def cancel(self, rid: int) -> None:
+        """The client is gone: the engine drops the request and frees its pages."""
+        if self._pending.pop(rid, None) is not None:
+            self._send(m.Cancel(self.worker, [rid]))
+
+    def abort(self, exc: BaseException) -> int:
+        """Fail every request in flight with `exc` and cancel them in the engine."""
+        rids = list(self._pending)
+        self._fail_all(exc)
+        if rids:
+            self._send(m.Cancel(self.worker, rids))
+        return len(rids)
+
+    async def stats(self) -> EngineStats:
+        """The engine's live numbers; the last known ones if it does not answer in time."""
+        if self.state not in ("loading", "ready"):
+            return self.last_stats
+        qid = next(self._ids)
+        fut = self._queries[qid] = asyncio.get_running_loop().create_future()
+        self._send(m.StatsQuery(self.worker, qid))
+        try:
+            return await asyncio.wait_for(fut, STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return self.last_stats
+        finally:
+            self._queries.pop(qid, None)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _send(self, msg: m.ToEngine) -> None:
+        self._push.send(m.encode(msg), zmq.NOBLOCK)
+
+    async def _greet(self) -> None:
+        while self.state == "loading":
+            self._send(m.Hello(self.worker))
+            await asyncio.sleep(HELLO_EVERY_S)
+
+    async def _read(self) -> None:
+        while True:
+            data = await self._dealer.recv()
+            try:
+                msg = m.to_worker(data)
+            except Exception:  # noqa: BLE001 - never expected; logged, not fatal
+                log.exception("undecodable reply (%d bytes) dropped", len(data))
+                continue
+            if isinstance(msg, m.Done):
+                fut = self._pending.pop(msg.rid, None)
+                if fut is None or fut.done():
+                    continue  # cancelled meanwhile
+                if msg.failure is not None:
+                    fut.set_exception(m.exception(msg.failure))
+                else:
+                    fut.set_result(msg.results or [])
+            elif isinstance(msg, m.StatsReply):
+                self.last_stats = msg.stats
+                if (q := self._queries.pop(msg.qid, None)) is not None and not q.done():
+                    q.set_result(msg.stats)
+            elif isinstance(msg, m.Status) and self.state != "dead":
+                self._set_state(msg)
+
+    def _set_state(self, msg: m.Status) -> None:
+        if msg.info is not None:
+            self.info = msg.info
+        if msg.state != self.state:
+            log.debug("engine state %s -> %s", self.state, msg.state)
+        self.state, self.error = msg.state, msg.error
+        if msg.state not in ("loading", "ready"):
+            self._fail_all(NotReady(f"engine is {msg.state}"
+                                    + (f": {msg.error}" if msg.error else "")))
+
+    def _engine_gone(self) -> None:
+        assert self._alive is not None
+        asyncio.get_running_loop().remove_reader(self._alive.fileno())
+        if self.state in ("loading", "ready"):
+            log.warning("the engine process is gone: answering 503")
+        self.state, self.error = "dead", "the engine process is gone"
+        self._fail_all(NotReady(GONE))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: an abandoned future must not log
+        queries, self._queries = self._queries, {}
+        for q in queries.values():
+            if not q.done():
+                q.set_result(self.last_stats)

@@ -1,0 +1,117 @@
+"""An API worker process: uvicorn on the shared listening socket. SIGTERM drains (503 to new
+requests, DRAIN_TIMEOUT_S for those in flight, then a JSON 503); a second one cuts it short."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from service.config import EngineConfig, ServerConfig
+from service.engine.interface import NotReady
+from service.engine.messages import Addresses
+from service.model.tokenizer import TextTokenizer
+from service.process import exit_now, setup_child
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+log = logging.getLogger("service.worker")
+
+SHUTDOWN_MARGIN_S = 5.0  # drain end -> exit: answer what is in flight, close, stop the engine
+RESPONSE_FLUSH_S = 2.0  # of that margin: the last responses going out
+SHUTTING_DOWN = "server is shutting down; retry on another replica"
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float):
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_deadline: float | None = None
+        self.signals: list[int] = []
+        self._announced = False
+
+    @property
+    def _state(self):  # noqa: ANN202 - the app's AppState
+        return self.config.app.state.prefill
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: flags only, acted on in on_tick. Not recorded in uvicorn's _captured_signals,
+        # which would re-raise SIGTERM after shutdown.
+        self.signals.append(sig)
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+            self._state.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            self._drain_step()
+        return await super().on_tick(counter)
+
+    def _drain_step(self) -> None:
+        state = self._state
+        if not self._announced:
+            self._announced = True
+            log.info("draining (%d requests in flight)", state.active_requests)
+        if state.active_requests == 0:
+            self.should_exit = True
+            return
+        why = ("second signal" if len(self.signals) > 1 else
+               "drain timeout" if time.monotonic() >= self.drain_deadline else None)
+        if why is None:
+            return
+        n = state.engine.abort(NotReady(SHUTTING_DOWN))
+        log.warning("%s: answering %d requests in flight with 503", why, n)
+        self.should_exit = True
+
+
+def uvicorn_config(app: FastAPI, server_cfg: ServerConfig, *, workers: int = 1,
+                   **overrides: Any) -> uvicorn.Config:
+    from service.api.protocol import ConnectionLimits, GuardedProtocol
+
+    limits = ConnectionLimits(server_cfg.max_header_bytes, server_cfg.header_timeout_s,
+                              server_cfg.body_timeout_s,
+                              math.ceil(server_cfg.max_connections / workers))
+    state = app.state.prefill
+    protocol = functools.partial(GuardedProtocol, limits=limits, count=state.metrics.count,
+                                 refusal=state.refusal)
+    kw = dict(http=protocol, ws="none", lifespan="on", log_level=server_cfg.log_level,
+              access_log=server_cfg.access_log, timeout_graceful_shutdown=RESPONSE_FLUSH_S,
+              log_config=None)
+    return uvicorn.Config(app, **{**kw, **overrides})
+
+
+def watchdog(server: DrainingServer) -> None:
+    """Exit once the drain plus SHUTDOWN_MARGIN_S is over, however shutdown is going."""
+    while True:
+        time.sleep(0.25)
+        deadline = server.drain_deadline
+        if deadline is not None and time.monotonic() > deadline + SHUTDOWN_MARGIN_S:
+            log.error("shutdown took more than DRAIN_TIMEOUT_S + %gs: exiting now",
+                      SHUTDOWN_MARGIN_S)
+            exit_now(1)
+
+
+def run(worker: int, engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: Addresses,
+        sock: socket.socket, alive: Connection, tokenizer: TextTokenizer) -> None:
+    """A worker process's main."""
+    setup_child(server_cfg.log_level, "service.worker")
+    from service.api.app import create_app
+    from service.api.engine_client import EngineClient
+
+    engine = EngineClient(addrs, worker, max_queue=engine_cfg.max_queue_requests, alive=alive)
+    app = create_app(engine_cfg, server_cfg, engine, tokenizer)
+    server = DrainingServer(uvicorn_config(app, server_cfg, workers=server_cfg.api_workers),
+                            server_cfg.drain_timeout_s)
+    threading.Thread(target=watchdog, args=(server,), name="shutdown-watchdog",
+                     daemon=True).start()
+    server.run(sockets=[sock])
+    exit_now(0 if server.started else 3)

@@ -1,0 +1,130 @@
+"""Messages between the API workers and the engine process: msgpack-encoded structs over ZeroMQ.
+
+Token ids travel as int32 bytes; nothing a client sent is ever pickled."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from service.engine.interface import (
+    EngineInfo,
+    EngineStats,
+    ForwardFailed,
+    KVPoolExhausted,
+    NotReady,
+    PromptResult,
+    QueueFull,
+    SamplingParams,
+)
+
+
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    worker: int
+
+
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    worker: int
+    rid: int
+    prompts: list[bytes]  # int32 token ids, one buffer per prompt
+    params: SamplingParams
+
+
+class Cancel(msgspec.Struct, tag=True, array_like=True):
+    worker: int
+    rids: list[int]
+
+
+class StatsQuery(msgspec.Struct, tag=True, array_like=True):
+    worker: int
+    qid: int
+
+
+class WorkerGone(msgspec.Struct, tag=True, array_like=True):
+    """From the supervisor: a worker died; what it submitted is cancelled."""
+
+    worker: int
+
+
+class Status(msgspec.Struct, tag=True, array_like=True):
+    state: str  # loading | ready | failed | stopped
+    error: str | None = None
+    info: EngineInfo | None = None
+
+
+class Failure(msgspec.Struct, array_like=True):
+    kind: str  # a key of ERRORS
+    message: str
+    retry_after_s: int = 0
+
+
+class Done(msgspec.Struct, tag=True, array_like=True):
+    rid: int
+    results: list[PromptResult] | None
+    failure: Failure | None
+
+
+class StatsReply(msgspec.Struct, tag=True, array_like=True):
+    qid: int
+    stats: EngineStats
+
+
+ToEngine = Hello | Submit | Cancel | StatsQuery | WorkerGone
+ToWorker = Status | Done | StatsReply
+
+ERRORS: dict[str, type[Exception]] = {
+    "queue_full": QueueFull,
+    "not_ready": NotReady,
+    "kv_exhausted": KVPoolExhausted,
+    "forward_failed": ForwardFailed,
+}
+_KINDS = {cls: kind for kind, cls in ERRORS.items()}
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+encode = _encoder.encode
+to_engine = _to_engine.decode
+to_worker = _to_worker.decode
+
+
+def failure(exc: BaseException) -> Failure:
+    kind = next((k for cls, k in _KINDS.items() if isinstance(exc, cls)), "forward_failed")
+    return Failure(kind, str(exc), getattr(exc, "retry_after_s", 0))
+
+
+def exception(f: Failure) -> Exception:
+    if f.kind == "queue_full":
+        return QueueFull(f.message, f.retry_after_s)
+    return ERRORS.get(f.kind, ForwardFailed)(f.message)
+
+
+def pack_ids(ids: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(ids, dtype=np.int32).tobytes()
+
+
+def unpack_ids(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """The engine's two ZeroMQ endpoints (IPC sockets) and its queue board, in one private
+    directory."""
+
+    inbox: str  # workers and the supervisor PUSH here; the engine PULLs
+    outbox: str  # the engine's ROUTER; each worker's DEALER has its id as routing id
+    board: str  # service.engine.board.QueueBoard's file
+
+    @classmethod
+    def in_dir(cls, directory: str | Path) -> Addresses:
+        d = Path(directory)
+        return cls(f"ipc://{d / 'engine-in'}", f"ipc://{d / 'engine-out'}", str(d / "queue"))
+
+
+def routing_id(worker: int) -> bytes:
+    return b"w%d" % worker

@@ -1,0 +1,193 @@
+"""The engine process: messages in on a PULL socket (main thread), the scheduler's engine thread,
+replies out through a ROUTER socket addressed by worker (from whichever thread finishes)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import zmq
+
+from service.config import EngineConfig, ServerConfig
+from service.engine import messages as m
+from service.engine.board import QueueBoard
+from service.engine.interface import KVPoolExhausted, NotReady, PromptResult, QueueFull
+from service.engine.prompt import Prompt
+from service.engine.scheduler import Scheduler
+from service.process import exit_now, setup_child
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often the input loop looks at the stop flag
+STOP_WAIT_S = 1.0
+
+
+class Outbox:
+    """The ROUTER socket, shared by the input thread and the engine thread."""
+
+    def __init__(self, sock: zmq.Socket):
+        self._sock, self._lock = sock, threading.Lock()
+
+    def send(self, worker: int, msg: m.ToWorker) -> None:
+        data = m.encode(msg)
+        with self._lock:
+            try:
+                self._sock.send_multipart([m.routing_id(worker), data], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # the worker is gone or not keeping up: its replies are dropped
+                log.debug("reply to worker %d dropped", worker)
+
+
+class Request:
+    """One Submit: its prompts, answered together once every prompt is done or one failed."""
+
+    __slots__ = ("server", "key", "prompts", "results", "left")
+
+    def __init__(self, server: EngineServer, key: tuple[int, int], n: int):
+        self.server, self.key = server, key
+        self.prompts: list[Prompt] = []
+        self.results: list[PromptResult | None] = [None] * n
+        self.left = n
+
+    def on_done(self, i: int) -> Callable[[PromptResult | None, BaseException | None], None]:
+        def done(result: PromptResult | None, exc: BaseException | None) -> None:
+            if exc is not None:
+                self.server.finish(self, None, exc)
+                return
+            self.results[i] = result
+            self.left -= 1
+            if self.left == 0:
+                self.server.finish(self, self.results, None)
+        return done
+
+
+class EngineServer:
+    def __init__(self, scheduler: Scheduler, outbox: Outbox):
+        self.scheduler, self.outbox = scheduler, outbox
+        # (worker, rid) -> Request; whoever pops a key first (reply or cancel) owns its outcome
+        self.requests: dict[tuple[int, int], Request] = {}
+        self.workers: set[int] = set()
+
+    def status(self) -> m.Status:
+        s = self.scheduler
+        return m.Status(s.state, s.error, s.info if s.state == "ready" else None)
+
+    def broadcast_status(self) -> None:
+        status = self.status()
+        for w in list(self.workers):
+            self.outbox.send(w, status)
+
+    def finish(self, req: Request, results: list[PromptResult | None] | None,
+               exc: BaseException | None) -> None:
+        if self.requests.pop(req.key, None) is None:
+            return  # cancelled, or already failed by another of its prompts
+        if exc is not None:
+            for p in req.prompts:
+                if not p.cancelled:
+                    self.scheduler.cancel(p)
+        self._reply(req.key, results, exc)
+
+    def _reply(self, key: tuple[int, int], results: list | None,
+               exc: BaseException | None) -> None:
+        self.outbox.send(key[0], m.Done(key[1], results, m.failure(exc) if exc else None))
+
+    def handle(self, msg: m.ToEngine) -> None:
+        if isinstance(msg, m.Submit):
+            self.submit(msg)
+        elif isinstance(msg, m.Cancel):
+            for rid in msg.rids:
+                self.cancel((msg.worker, rid))
+        elif isinstance(msg, m.StatsQuery):
+            self.outbox.send(msg.worker, m.StatsReply(msg.qid, self.scheduler.stats()))
+        elif isinstance(msg, m.Hello):
+            self.workers.add(msg.worker)
+            self.outbox.send(msg.worker, self.status())
+        elif isinstance(msg, m.WorkerGone):
+            self.workers.discard(msg.worker)
+            for key in [k for k in list(self.requests) if k[0] == msg.worker]:
+                self.cancel(key)
+
+    def submit(self, msg: m.Submit) -> None:
+        key = (msg.worker, msg.rid)
+        req = Request(self, key, len(msg.prompts))
+        req.prompts = [Prompt(m.unpack_ids(ids), msg.params, req.on_done(i))
+                       for i, ids in enumerate(msg.prompts)]
+        self.requests[key] = req
+        try:
+            self.scheduler.submit(req.prompts)
+        except (QueueFull, NotReady, KVPoolExhausted) as e:
+            self.requests.pop(key, None)
+            self._reply(key, None, e)
+
+    def cancel(self, key: tuple[int, int]) -> None:
+        req = self.requests.pop(key, None)
+        if req is not None:
+            for p in req.prompts:
+                self.scheduler.cancel(p)
+
+    def serve(self, inbox: zmq.Socket, stop: threading.Event) -> None:
+        while not stop.is_set():
+            if not inbox.poll(POLL_MS):
+                continue
+            while True:
+                try:
+                    data = inbox.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = m.to_engine(data)
+                except Exception:  # noqa: BLE001 - a bad message must not stop the engine
+                    log.exception("undecodable message (%d bytes) dropped", len(data))
+                    continue
+                self.handle(msg)
+
+
+def bind(ctx: zmq.Context, addrs: m.Addresses) -> tuple[zmq.Socket, zmq.Socket]:
+    """The engine's inbox (PULL) and outbox (ROUTER), bound."""
+    inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.bind(addrs.inbox)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(addrs.outbox)
+    return inbox, router
+
+
+def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
+        alive: Connection) -> None:
+    """The engine process's main: serve until SIGTERM or the engine fails. `alive` is only held."""
+    setup_child(server_cfg.log_level, "service.engine")
+    from service.engine.core import EngineCore
+    from service.metrics import Metrics
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    metrics = Metrics(server_cfg.served_model_name)
+    board = QueueBoard(addrs.board)  # created by the supervisor
+    scheduler = Scheduler(lambda: EngineCore(engine_cfg),
+                          max_queue=engine_cfg.max_queue_requests,
+                          max_batch_prompts=engine_cfg.max_batch_prompts,
+                          prefix_cache=engine_cfg.prefix_cache, observer=metrics,
+                          on_queue=board.write)
+    ctx = zmq.Context()
+    inbox, router = bind(ctx, addrs)
+    server = EngineServer(scheduler, Outbox(router))
+
+    def on_loaded(exc: BaseException | None) -> None:
+        if exc is not None:
+            log.error("%s", exc)
+            stop.set()
+        else:
+            log.info("ready: %s, KV pool %d tokens", server_cfg.served_model_name,
+                     scheduler.info.kv_capacity_tokens)
+        server.broadcast_status()
+
+    scheduler.start(on_loaded)
+    server.serve(inbox, stop)
+    scheduler.stop(STOP_WAIT_S)
+    server.broadcast_status()
+    exit_now(1 if scheduler.error else 0)

@@ -1,0 +1,44 @@
+"""What every process of the service does at start and at exit: logging, signals, a quick exit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+# The engine thread retakes the GIL after every torch op: shorten each handover's wait
+GIL_SWITCH_INTERVAL_S = 0.001
+PARENT_POLL_S = 0.5
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+def setup_child(level: str, name: str) -> None:
+    """A child of the supervisor: logs; SIGINT (Ctrl-C hits the whole group) left to the
+    supervisor's ordered shutdown; exit when the parent is gone."""
+    setup_logging(level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        logging.getLogger(name).error("the supervisor is gone: exiting")
+        exit_now(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def exit_now(code: int) -> None:
+    """Flush the logs and end the process without waiting for other threads."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,248 @@
+"""`python -m service`: settings, port and model checked once (a bad one: one line, exit 2 or 1),
+then the engine process and the API workers; a dead worker is replaced, a dead engine stops the
+service (exit 1); SIGTERM stops the workers (they drain), then the engine."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from service.api.worker import SHUTDOWN_MARGIN_S
+from service.config import ConfigError, EngineConfig, ServerConfig, Settings, load_settings, resolve
+from service.model.tokenizer import TextTokenizer
+from service.process import setup_logging
+
+log = logging.getLogger("service")
+
+TICK_S = 0.2
+WORKER_STOP_S = 5.0  # after the engine died: the workers' last 503s
+RESTARTS = (5, 60.0)  # more worker deaths than this within that many seconds: give up
+
+
+def fail(message: str, code: int) -> None:
+    print(f"triton-prefill: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads (a taken port fails at once)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on HOST={host!r} PORT={port}: "
+                          f"{e.strerror or e}") from None
+    return sock
+
+
+def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig, socket.socket,
+                                           TextTokenizer]:
+    """Everything that can fail in one line, before any process starts."""
+    try:
+        sock = bind(settings.host, settings.port)
+    except ConfigError as e:
+        fail(str(e), 1)
+    from service.model.errors import ModelLoadError
+    from service.model.files import check_model_path, model_tokenizer
+
+    try:
+        check_model_path(settings.model_path)
+        tokenizer = model_tokenizer(settings.model_path)  # the workers get a copy
+    except ModelLoadError as e:
+        fail(f"MODEL_PATH: {e}", 1)
+    import torch  # only to see whether CUDA is usable: no context is created here
+
+    from service.host import cuda_requirement, describe_cpus, driver_version
+
+    try:
+        engine_cfg, server_cfg = resolve(settings, torch.cuda.is_available())
+    except ConfigError as e:
+        fail(str(e), 2)
+    if settings.device == "auto" and engine_cfg.device == "cpu" and driver_version():
+        log.warning("an NVIDIA driver is loaded but CUDA is not usable; serving on the CPU. %s",
+                    cuda_requirement())
+    log.info("torch CPU threads: %d (%s)", engine_cfg.cpu_threads,
+             f"CPU_THREADS={settings.cpu_threads}" if settings.cpu_threads else describe_cpus())
+    return engine_cfg, server_cfg, sock, tokenizer
+
+
+class Supervisor:
+    def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig, sock: socket.socket,
+                 tokenizer: TextTokenizer):
+        from service.engine.board import QueueBoard
+        from service.engine.messages import Addresses
+
+        self.engine_cfg, self.server_cfg, self.sock = engine_cfg, server_cfg, sock
+        self.tokenizer = tokenizer
+        self.dir = Path(tempfile.mkdtemp(prefix="triton-prefill-"))
+        # NOTE: set before any child imports prometheus_client: counters go to per-process files
+        (self.dir / "metrics").mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.dir / "metrics")
+        self.addrs = Addresses.in_dir(self.dir)
+        QueueBoard(self.addrs.board, create=True).close()
+        self.ctx = mp.get_context("spawn")
+        self.workers: dict[int, BaseProcess] = {}
+        self.next_worker = 0
+        self.deaths: deque[float] = deque()
+        self.signals: list[int] = []
+        self.engine: BaseProcess | None = None
+        self.alive: Connection | None = None
+        self._push = None
+
+    def start(self) -> None:
+        from service.api import worker
+        from service.engine import server
+
+        self.alive, alive_w = self.ctx.Pipe(duplex=False)
+        self.engine = self.ctx.Process(target=server.run, name="engine", args=(
+            self.engine_cfg, self.server_cfg, self.addrs, alive_w))
+        self.engine.start()
+        log.info("started the engine (pid %d)", self.engine.pid)
+        alive_w.close()  # the engine holds the only write end: its death is the readers' EOF
+        self._worker_main = worker.run
+        for _ in range(self.server_cfg.api_workers):
+            self.spawn_worker()
+        log.info("serving %s on http://%s:%d: device=%s dtype=%s, %d API workers",
+                 self.server_cfg.served_model_name, self.server_cfg.host, self.server_cfg.port,
+                 self.engine_cfg.device, self.engine_cfg.dtype, self.server_cfg.api_workers)
+
+    def spawn_worker(self) -> None:
+        i, self.next_worker = self.next_worker, self.next_worker + 1
+        p = self.ctx.Process(target=self._worker_main, name=f"worker-{i}", args=(
+            i, self.engine_cfg, self.server_cfg, self.addrs, self.sock, self.alive,
+            self.tokenizer))
+        p.start()
+        log.info("started API worker %d (pid %d)", i, p.pid)
+        self.workers[i] = p
+
+    def worker_gone(self, i: int) -> int | None:
+        """Cancel the dead worker's requests in the engine; restart it, or give up (exit code)."""
+        import zmq
+
+        from service.engine import messages as m
+
+        p = self.workers.pop(i)
+        p.join(1.0)  # its sentinel fired: reap it for the exit code
+        log.warning("API worker %d (pid %d) exited with %s: restarting it", i, p.pid, p.exitcode)
+        if self._push is None:
+            self._push = zmq.Context.instance().socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(self.addrs.inbox)
+        self._push.send(m.encode(m.WorkerGone(i)), zmq.NOBLOCK)
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(p.pid)
+        now = time.monotonic()
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > RESTARTS[1]:
+            self.deaths.popleft()
+        if len(self.deaths) > RESTARTS[0]:
+            log.error("API workers died %d times within %gs: stopping", len(self.deaths),
+                      RESTARTS[1])
+            return self.stop_all(1)
+        self.spawn_worker()
+        return None
+
+    def on_signal(self, sig: int, _frame: object) -> None:
+        self.signals.append(sig)
+
+    def run(self) -> int:
+        assert self.engine is not None
+        deadline: float | None = None
+        handled = 0  # signals acted on
+        while True:
+            sentinels = {p.sentinel: i for i, p in self.workers.items()}
+            ready = wait([self.engine.sentinel, *sentinels], TICK_S)
+            if self.engine.sentinel in ready:
+                return self.engine_gone(deadline is not None)
+            if deadline is None and self.signals:
+                deadline = time.monotonic() + self.server_cfg.drain_timeout_s + SHUTDOWN_MARGIN_S
+                log.info("signal %d: draining for up to %gs", self.signals[0],
+                         self.server_cfg.drain_timeout_s)
+            if deadline is not None:
+                if len(self.signals) > handled:
+                    handled = len(self.signals)
+                    self.signal_workers()  # a second one: stop now
+                for s in ready:
+                    self.workers.pop(sentinels[s])
+                if not self.workers:
+                    return self.stop_engine(deadline)
+                if time.monotonic() > deadline:
+                    log.error("shutdown took more than DRAIN_TIMEOUT_S + %gs: exiting now",
+                              SHUTDOWN_MARGIN_S)
+                    return self.stop_all(1)
+                continue
+            for s in ready:
+                if (code := self.worker_gone(sentinels[s])) is not None:
+                    return code
+
+    def signal_workers(self) -> None:
+        for p in self.workers.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    def stop_engine(self, deadline: float) -> int:
+        assert self.engine is not None
+        self.engine.terminate()
+        self.engine.join(max(deadline - time.monotonic(), 0.1))
+        if self.engine.exitcode is None:
+            log.error("the engine did not stop in time: killing it")
+            return self.stop_all(1)
+        return 0 if self.engine.exitcode == 0 else 1
+
+    def engine_gone(self, stopping: bool) -> int:
+        """The engine exited: the workers see it at once (their /health and /ready turn 503)."""
+        assert self.engine is not None
+        self.engine.join(1.0)  # its sentinel fired: reap it for the exit code
+        code = self.engine.exitcode
+        if code is not None and code < 0:
+            log.error("the engine process was killed by signal %d: stopping", -code)
+        elif not stopping:
+            # NOTE: an engine that failed has logged why (the one ERROR line of a bad start)
+            log.info("the engine process exited with %s: stopping", code)
+        self.signal_workers()
+        end = time.monotonic() + WORKER_STOP_S
+        for p in self.workers.values():
+            p.join(max(end - time.monotonic(), 0.0))
+        self.stop_all(1)
+        return 1
+
+    def stop_all(self, code: int) -> int:
+        for p in [*self.workers.values(), self.engine]:
+            if p is not None and p.is_alive():
+                p.kill()
+        return code
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def main() -> None:
+    try:
+        settings = load_settings()
+    except ConfigError as e:
+        fail(str(e), 2)
+    setup_logging(settings.log_level)
+    sup = Supervisor(*configure(settings))
+    signal.signal(signal.SIGTERM, sup.on_signal)
+    signal.signal(signal.SIGINT, sup.on_signal)
+    try:
+        sup.start()
+        code = sup.run()
+    finally:
+        sup.cleanup()
+    sys.exit(code)

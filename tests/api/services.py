@@ -1,0 +1,92 @@
+"""`python -m service` as a subprocess on a free loopback port, for tests through the real
+processes (supervisor, engine, API workers)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.api.conftest import free_port, metric, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def service_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.isupper() and k not in (
+        "MODEL_PATH", "MODEL_PRESET", "API_KEY", "PORT", "HOST")}
+    env.update(PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+class Service:
+    """`python -m service` on a free loopback port, its log in a file."""
+
+    def __init__(self, tmp: Path, wait: bool = True, **env: str):
+        self.url = f"http://127.0.0.1:{(port := free_port())}"
+        self.log_path = tmp / f"service-{port}.log"
+        self.log = self.log_path.open("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service"], cwd=REPO, stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=service_env(HOST="127.0.0.1", PORT=str(port), LOG_LEVEL="info", **env))
+        if wait:
+            wait_for(lambda: self.status("/ready") == 200 or self.proc.poll() is not None, 120,
+                     "/ready")
+            assert self.proc.poll() is None, self.tail()
+
+    def tail(self, chars: int = 4000) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-chars:]
+
+    def pids(self, what: str) -> list[int]:
+        """Live pids the supervisor logged as started: "the engine" or "API worker"."""
+        found = re.findall(rf"started {what}[^(\n]*\(pid (\d+)\)", self.tail(10**7))
+        return [int(p) for p in found if running(int(p))]
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def status(self, path: str) -> int:
+        try:
+            return httpx.get(self.url + path, timeout=5).status_code
+        except httpx.TransportError:
+            return -1
+
+    def post_in_background(self, body: dict, wait: bool = True) -> dict:
+        """POST /v1/prefill on a thread; waits until a prompt runs unless `wait` is false."""
+        out: dict = {}
+
+        def go() -> None:
+            try:
+                out["r"] = httpx.post(self.url + "/v1/prefill", json=body, timeout=300)
+            except httpx.TransportError as e:  # a test that kills the process it talks to
+                out["error"] = e
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        out["thread"] = t
+        if wait:
+            wait_for(lambda: metric(httpx.get(self.url + "/metrics").text,
+                                "prefill_running_requests") > 0, 60,
+                     "the request to run")
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

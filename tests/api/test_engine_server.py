@@ -1,0 +1,104 @@
+"""The engine's server loop over real ZeroMQ sockets: batching across workers, cancellation when a
+worker goes, and bytes that are not a message."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq
+
+from service.api.engine_client import EngineClient
+from service.engine import messages as m
+from service.engine.interface import SamplingParams
+from service.engine.scheduler import Scheduler
+from tests.api.conftest import EngineThread, TestEngine, wait_for
+
+
+def engine_thread(core: Any, max_batch_tokens: int | None = None,
+                  **kw: Any) -> tuple[EngineThread, TestEngine]:
+    test_engine = TestEngine(core, max_batch_tokens)
+    thread = EngineThread(lambda on_queue: Scheduler(
+        lambda: test_engine, max_queue=64, max_batch_prompts=64, on_queue=on_queue, **kw))
+    return thread, test_engine
+
+
+async def connected(thread: EngineThread, worker: int) -> EngineClient:
+    client = EngineClient(thread.addrs, worker, max_queue=64)
+    await client.start()
+    for _ in range(500):
+        if client.state == "ready":
+            return client
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"worker {worker} never saw the engine ready")
+
+
+def test_prompts_from_different_workers_share_a_forward(core) -> None:
+    thread, eng = engine_thread(core)
+
+    async def main() -> None:
+        a, b = await connected(thread, 0), await connected(thread, 1)
+        eng.delay_s = 0.5
+        _, first = a.submit([[1, 2, 3]], SamplingParams())
+        await asyncio.sleep(0.2)  # the first forward is under way: the next two queue
+        _, from_a = a.submit([[4, 5, 6, 7]], SamplingParams())
+        _, from_b = b.submit([[8, 9]], SamplingParams())
+        results = await asyncio.gather(first, from_a, from_b)
+        assert [r[0].prompt_tokens for r in results] == [3, 4, 2]
+        await a.close()
+        await b.close()
+
+    try:
+        asyncio.run(main())
+        # one forward, both workers' prompts (in either order: two sockets, no order between them)
+        assert {(4, 5, 6, 7), (8, 9)} in [set(f) for f in eng.forwards]
+    finally:
+        thread.close()
+
+
+def test_a_gone_worker_has_its_requests_cancelled(core) -> None:
+    thread, eng = engine_thread(core, max_batch_tokens=16)
+
+    async def main() -> None:
+        a = await connected(thread, 0)
+        eng.delay_s = 0.3
+        a.submit([list(range(100, 164))], SamplingParams())  # four forwards of 16 tokens
+        a.submit([[4, 5, 6]], SamplingParams())
+        await asyncio.sleep(0.1)
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(thread.addrs.inbox)
+        push.send(m.encode(m.WorkerGone(0)))
+        push.close(linger=1000)
+        await a.close()
+
+    try:
+        asyncio.run(main())
+        wait_for(lambda: thread.scheduler.in_flight == 0, 10, "the engine to drop both")
+        assert thread.scheduler.kv_used_tokens == 0 and thread.server.requests == {}
+        assert len(eng.forwards) == 1  # the forward under way, and nothing after it
+    finally:
+        thread.close()
+
+
+def test_bytes_that_are_not_a_message_are_dropped(core) -> None:
+    """A pickle (or anything else) is not decoded as anything but msgpack, and the loop goes on."""
+    import pickle
+
+    thread, _ = engine_thread(core)
+
+    async def main() -> None:
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(thread.addrs.inbox)
+        push.send(pickle.dumps(OSError("payload")))
+        push.send(b"\xc1")
+        push.send(m.encode(m.Cancel(5, [1, 2])))  # nothing to cancel: ignored
+        push.close(linger=1000)
+        client = await connected(thread, 1)
+        rid, fut = client.submit([[1, 2, 3]], SamplingParams())
+        assert (await fut)[0].prompt_tokens == 3
+        await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        thread.close()
