@@ -19,7 +19,7 @@ from service.config import EngineConfig, ServerConfig
 from service.engine.interface import NotReady
 from service.engine.messages import Addresses
 from service.model.tokenizer import TextTokenizer
-from service.process import exit_now, setup_child
+from service.process import exit_now, freeze_heap, setup_child
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -113,5 +113,6 @@ def run(worker: int, engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: 
                             server_cfg.drain_timeout_s)
     threading.Thread(target=watchdog, args=(server,), name="shutdown-watchdog",
                      daemon=True).start()
+    freeze_heap()
     server.run(sockets=[sock])
     exit_now(0 if server.started else 3)

@@ -17,7 +17,7 @@ from service.engine.board import QueueBoard
 from service.engine.interface import KVPoolExhausted, NotReady, PromptResult, QueueFull
 from service.engine.prompt import Prompt
 from service.engine.scheduler import Scheduler
-from service.process import exit_now, setup_child
+from service.process import exit_now, freeze_heap, setup_child
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
             log.error("%s", exc)
             stop.set()
         else:
+            freeze_heap()
             log.info("ready: %s, KV pool %d tokens", server_cfg.served_model_name,
                      scheduler.info.kv_capacity_tokens)
         server.broadcast_status()

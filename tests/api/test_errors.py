@@ -296,7 +296,7 @@ def test_requests_failed_at_shutdown_get_a_503_counted_as_rejected(api) -> None:
     async def go():
         pending = [asyncio.ensure_future(api.client.post("/v1/prefill", json={"prompt": p}))
                    for p in ("Hello", "The capital of France is")]
-        await until(lambda: api.engine.forwards)
+        await until(lambda: api.engine.forwards and api.scheduler.in_flight == 2)
         assert api.scheduler.abort(NotReady("server is shutting down")) == 2
         return await asyncio.gather(*pending)
 
