@@ -92,7 +92,8 @@ def test_unusable_address_fails_before_loading(host) -> None:
 
 
 def test_sigterm_drains_and_exits_zero(service) -> None:
-    svc = service(DRAIN_TIMEOUT_S="60", MAX_PREFILL_TOKENS="16", ACCESS_LOG="false")
+    svc = service(DRAIN_TIMEOUT_S="60", MAX_PREFILL_TOKENS="16", ACCESS_LOG="false",
+                  API_WORKERS="2")
     # ~300 tokens at 16 per forward: ~19 chunked forwards (longer on a busy machine; the drain
     # waits as long as it takes, up to DRAIN_TIMEOUT_S)
     slow = svc.post_in_background(
