@@ -136,7 +136,7 @@ class Supervisor:
         from service.engine import messages as m
 
         p = self.workers.pop(i)
-        p.join(1.0)  # its sentinel fired: reap it for the exit code
+        p.join(1.0)  # reaped: its exit code
         log.warning("API worker %d (pid %d) exited with %s: restarting it", i, p.pid, p.exitcode)
         if self._push is None:
             self._push = zmq.Context.instance().socket(zmq.PUSH)
@@ -163,7 +163,7 @@ class Supervisor:
     def run(self) -> int:
         assert self.engine is not None
         deadline: float | None = None
-        handled = 0  # signals acted on
+        handled = 0
         while True:
             sentinels = {p.sentinel: i for i, p in self.workers.items()}
             ready = wait([self.engine.sentinel, *sentinels], TICK_S)
@@ -205,9 +205,8 @@ class Supervisor:
         return 0 if self.engine.exitcode == 0 else 1
 
     def engine_gone(self, stopping: bool) -> int:
-        """The engine exited: the workers see it at once (their /health and /ready turn 503)."""
         assert self.engine is not None
-        self.engine.join(1.0)  # its sentinel fired: reap it for the exit code
+        self.engine.join(1.0)
         code = self.engine.exitcode
         if code is not None and code < 0:
             log.error("the engine process was killed by signal %d: stopping", -code)

@@ -46,7 +46,6 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.Context | None = None
 
-    # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._board = QueueBoard(self.addrs.board)
@@ -87,7 +86,6 @@ class EngineClient:
     def in_flight(self) -> int:
         return len(self._pending)
 
-    # ---- requests ---------------------------------------------------------------------------
     def admission_error(self, prompts: int = 1) -> Exception | None:
         """Why `prompts` more prompts would be refused now (the engine's queue board); cheap."""
         if self.state != "ready":
@@ -137,7 +135,6 @@ class EngineClient:
         finally:
             self._queries.pop(qid, None)
 
-    # ---- internals --------------------------------------------------------------------------
     def _send(self, msg: m.ToEngine) -> None:
         self._push.send(m.encode(msg), zmq.NOBLOCK)
 

@@ -102,7 +102,6 @@ def watchdog(server: DrainingServer) -> None:
 
 def run(worker: int, engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: Addresses,
         sock: socket.socket, alive: Connection, tokenizer: TextTokenizer) -> None:
-    """A worker process's main."""
     setup_child(server_cfg.log_level, "service.worker")
     from service.api.app import create_app
     from service.api.engine_client import EngineClient

@@ -145,7 +145,6 @@ class EngineServer:
 
 
 def bind(ctx: zmq.Context, addrs: m.Addresses) -> tuple[zmq.Socket, zmq.Socket]:
-    """The engine's inbox (PULL) and outbox (ROUTER), bound."""
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.RCVHWM, 0)
     inbox.setsockopt(zmq.LINGER, 0)
