@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import threading
-import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 # The engine thread retakes the GIL after every torch op: shorten each handover's wait
 GIL_SWITCH_INTERVAL_S = 0.001
-PARENT_POLL_S = 0.5
 
 
 def setup_logging(level: str) -> None:
@@ -26,11 +25,13 @@ def setup_child(level: str, name: str) -> None:
     setup_logging(level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    parent = os.getppid()
+    parent = multiprocessing.parent_process()
+    assert parent is not None, "setup_child runs in a process the supervisor started"
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
+        # NOTE: the parent's sentinel, not getppid(): a parent that died before this line would
+        # leave getppid() at 1 for good
+        parent.join()
         logging.getLogger(name).error("the supervisor is gone: exiting")
         exit_now(1)
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import metric, wait_for
-from tests.api.services import Service
+from tests.api.services import Service, running
 
 KEY = "sk-processes"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -215,3 +215,14 @@ def test_a_killed_worker_is_replaced_and_its_requests_cancelled(service) -> None
                    timeout=60)
     assert r.status_code == 200 and r.json()["results"][0]["next_token"]["text"] == " Paris"
     assert svc.tail(10**7).count("restarting it") == 2
+
+
+def test_the_children_exit_with_the_supervisor(service) -> None:
+    """kill -9 of the supervisor (no shutdown of its own) leaves no engine or worker behind."""
+    svc = service(API_WORKERS="2")
+    children = svc.pids("the engine") + svc.pids("API worker")
+    assert len(children) == 3
+    svc.proc.kill()
+    svc.proc.wait()
+    wait_for(lambda: not any(running(p) for p in children), 10, "the children to exit")
+    assert svc.tail(10**7).count("the supervisor is gone: exiting") == 3
