@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from service.api import worker
 from service.api.worker import SHUTDOWN_MARGIN_S
 from service.config import ConfigError, EngineConfig, ServerConfig, Settings, load_settings, resolve
 from service.model.tokenizer import TextTokenizer
@@ -104,7 +105,6 @@ class Supervisor:
         self._push = None
 
     def start(self) -> None:
-        from service.api import worker
         from service.engine import server
 
         self.alive, alive_w = self.ctx.Pipe(duplex=False)
@@ -113,7 +113,6 @@ class Supervisor:
         self.engine.start()
         log.info("started the engine (pid %d)", self.engine.pid)
         alive_w.close()  # the engine holds the only write end: its death is the readers' EOF
-        self._worker_main = worker.run
         for _ in range(self.server_cfg.api_workers):
             self.spawn_worker()
         log.info("serving %s on http://%s:%d: device=%s dtype=%s, %d API workers",
@@ -122,7 +121,7 @@ class Supervisor:
 
     def spawn_worker(self) -> None:
         i, self.next_worker = self.next_worker, self.next_worker + 1
-        p = self.ctx.Process(target=self._worker_main, name=f"worker-{i}", args=(
+        p = self.ctx.Process(target=worker.run, name=f"worker-{i}", args=(
             i, self.engine_cfg, self.server_cfg, self.addrs, self.sock, self.alive,
             self.tokenizer))
         p.start()
@@ -143,9 +142,6 @@ class Supervisor:
             self._push.setsockopt(zmq.LINGER, 0)
             self._push.connect(self.addrs.inbox)
         self._push.send(m.encode(m.WorkerGone(i)), zmq.NOBLOCK)
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(p.pid)
         now = time.monotonic()
         self.deaths.append(now)
         while self.deaths and now - self.deaths[0] > RESTARTS[1]:

@@ -82,10 +82,6 @@ class EngineClient:
     def alive(self) -> bool:
         return self.state in ("loading", "ready")
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
     def admission_error(self, prompts: int = 1) -> Exception | None:
         """Why `prompts` more prompts would be refused now (the engine's queue board); cheap."""
         if self.state != "ready":

@@ -49,11 +49,11 @@ class AppState:
     def begin_drain(self) -> None:
         self.draining = True
 
-    def refusal(self, prompts: int = 1) -> Exception | None:
+    def refusal(self) -> Exception | None:
         """Why a prefill request would be refused now, or None."""
         if self.draining:
             return NotReady("server is draining (shutting down); retry on another replica")
-        return self.engine.admission_error(prompts)
+        return self.engine.admission_error()
 
     def snapshot(self, stats: EngineStats) -> dict[str, float]:
         snap: dict[str, float] = {

@@ -13,7 +13,6 @@ import torch
 from service.model.config import ModelConfig, model_name, preset
 from service.model.errors import ModelLoadError
 from service.model.files import (
-    check_model_path,
     default_model_path,
     gguf_metadata,
     read_gguf,
@@ -27,10 +26,6 @@ from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_
 from service.model.weights import load_hf_state
 
 log = logging.getLogger(__name__)
-
-__all__ = ["LoadedModel", "check_model_path", "default_model_path", "load", "load_model",
-           "random_model"]
-
 
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32

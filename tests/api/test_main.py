@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from service.api.worker import SHUTDOWN_MARGIN_S
-from service.model.loader import default_model_path
+from service.model.files import default_model_path
 from tests.api.conftest import free_port, wait_for
 from tests.api.services import service_env
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from service.model.errors import ModelLoadError, UnsupportedArchitecture
-from service.model.loader import default_model_path, load_model
+from service.model.files import default_model_path
+from service.model.loader import load_model
 from tests.model.checkpoints import write_checkpoint
 
 

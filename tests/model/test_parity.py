@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.model.loader import default_model_path, load_model
+from service.model.files import default_model_path
+from service.model.loader import load_model
 from tests.model.checkpoints import write_checkpoint
 from tests.model.prefill import Prefiller
 
