@@ -98,7 +98,7 @@ def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> d
     for bs, s in CASES:
         ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).tolist()
         pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
-        chunks = [SeqChunk.of(x, 0, p) for x, p in zip(ids, pages)]  # as Requests make them
+        chunks = [SeqChunk(x, 0, p) for x, p in zip(ids, pages)]  # as Requests make them
         ms = timed(lambda: engine.forward(chunks), 30 if bs * s <= 1024 else 10)  # noqa: B023
         full = engine.runs.get("full", 0)
         mode = engine.forward(chunks).mode
@@ -228,7 +228,7 @@ def main() -> None:
             for bs, s in [(1, 128), (8, 1024)]:
                 pages = [engine.pool.allocator.alloc(pages_for(s, 16)) for _ in range(bs)]
                 ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).tolist()
-                chunks = [SeqChunk.of(x, 0, p) for x, p in zip(ids, pages)]  # as Requests make them
+                chunks = [SeqChunk(x, 0, p) for x, p in zip(ids, pages)]  # as Requests make them
                 results["profiles"].append(profile(engine.forward, chunks,
                                                    f"{name} ours-graph {bs}x{s}"))
                 for p in pages:

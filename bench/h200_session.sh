@@ -57,3 +57,57 @@ step sanitizer "${T_SAN:-35}" compute-sanitizer --tool memcheck --error-exitcode
 step e2e "${T_E2E:-110}" env OUT="$R" python3 bench/e2e.py --profile \
   --models "${E2E_MODELS:-smollm2-135m,llama-3.2-1b,llama-3.1-8b,qwen2.5-0.5b}" \
   --variants "${E2E_VARIANTS:-ours-graph,ours-eager,ours-refattn,hf-sdpa}"
+# The restructure's A/B (not in the default STEPS; STEPS=ab): tag before-restructure, a worktree
+# in .before (carried: carry [".whl", ".before"]), against this tree. Each benchmark runs before,
+# after, before, after, each run its own process, into $R/ab/{before1,after1,before2,after2};
+# e2e first, then attention, then capture (near-deterministic memory: the one to lose). The
+# whole step stays within AB_BUDGET_S: a run is skipped when less than its expected time is
+# left, and cut at the budget. Durations land in $R/ab/times.tsv, the comparison (python3
+# bench/ab_compare.py report) in $R/ab/ab-restructure-*.md. AB_ATTN=small runs
+# bench/attention.py --small (S = 512, 1k, both head configs) instead of the subset below.
+AB_E2E_MODELS=${AB_E2E_MODELS:-smollm2-135m,qwen2.5-0.5b,llama-3.2-1b}
+AB_E2E=(bench/e2e.py --variants ours-graph --models "$AB_E2E_MODELS")
+# --budget-s 1: the first run (smollm2-135m main, with latency) only; the next is skipped
+AB_CAP=(-m bench.capture --models smollm2-135m --budget-s 1)
+if [ "${AB_ATTN:-subset}" = small ]; then AB_ATT=(bench/attention.py --small)
+else AB_ATT=("$PWD/bench/ab_compare.py" run-attention --heads 32/8 --dims 64,128
+             --seqs "${AB_ATTN_SEQS:-512,1024,2048,8192,16384}"); fi
+case $AB_E2E_MODELS in *8b*) AB_X_E2E=${AB_X_E2E:-90} ;; *) AB_X_E2E=${AB_X_E2E:-50} ;; esac
+ab_run() {  # ab_run <bench> <before1|after1|...> <limit s> <expected s> <python3 args...>
+  local bench=$1 run=$2 limit=$3 expect=$4 left=$((AB_END - SECONDS)) t0=$SECONDS rc
+  shift 4
+  local dir=$R/ab/$run
+  if [ "$left" -lt "$expect" ]; then
+    echo "   ab $bench $run skipped: ${left}s of the budget left, ${expect}s expected"
+    printf '%s\t%s\t-\t0\tskipped: %ss left\n' "$bench" "$run" "$left" >> "$R/ab/times.tsv"
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  mkdir -p "$dir"
+  echo "== ab $bench $run ($(date +%T), limit ${limit}s)"
+  ( if [ "${run%?}" = before ]; then cd .before || exit 97; fi
+    OUT=$dir timeout -k 5 "$limit" python3 "$@" ) > "$dir/$bench.log" 2>&1
+  rc=$?
+  echo "   rc=$rc $((SECONDS - t0))s $(tail -1 "$dir/$bench.log")"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$bench" "$run" "$rc" "$((SECONDS - t0))" \
+    "$([ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "cut at ${limit}s")" >> "$R/ab/times.tsv"
+  tar czf "$ROOT/results$TAG.tgz" -C "$ROOT" "r$TAG"
+}
+ab_step() {
+  case " $STEPS " in *" ab "*) ;; *) return 0 ;; esac
+  if [ ! -d .before/service ]; then echo "== ab: no .before worktree (carry .before)"; return 0; fi
+  AB_END=$((SECONDS + ${AB_BUDGET_S:-480}))
+  mkdir -p "$R/ab"
+  printf 'bench\trun\trc\tseconds\tnote\n' > "$R/ab/times.tsv"
+  local run
+  for run in before1 after1 before2 after2; do
+    ab_run e2e "$run" "${T_AB_E2E:-150}" "$AB_X_E2E" "${AB_E2E[@]}"; done
+  for run in before1 after1 before2 after2; do
+    ab_run attention "$run" "${T_AB_ATTN:-120}" "${AB_X_ATTN:-45}" "${AB_ATT[@]}"; done
+  for run in before1 after1 before2 after2; do
+    ab_run capture "$run" "${T_AB_CAP:-90}" "${AB_X_CAP:-30}" "${AB_CAP[@]}"; done
+  python3 bench/ab_compare.py report "$R/ab" --out-dir "$R/ab" > "$R/ab/report.log" 2>&1
+  echo "== ab report rc=$? ($(date +%T)): $(tail -1 "$R/ab/report.log")"
+  tar czf "$ROOT/results$TAG.tgz" -C "$ROOT" "r$TAG"
+}
+ab_step

@@ -129,7 +129,7 @@ def time_engine(wanted: list[int], prompt_tokens: int, seconds: float = 1.0) -> 
             if chunked:
                 engine.prefill_chunked(ids[0].tolist())
             else:
-                engine.forward([SeqChunk.of(x, 0, p) for x, p in zip(ids, pages)])
+                engine.forward([SeqChunk(x, 0, p) for x, p in zip(ids, pages)])
 
         times: list[float] = []
         t_start = time.perf_counter()

@@ -23,6 +23,7 @@ from service.engine.interface import (
     QueueFull,
     SamplingParams,
 )
+from service.engine.pages import page_keys
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ GONE = "the engine process is gone; retry on another replica"
 
 class EngineClient:
     def __init__(self, addrs: m.Addresses, worker: int, *, max_queue: int,
-                 alive: Connection | None = None):
+                 alive: Connection | None = None, key_page_size: int = 0):
         self.addrs, self.worker, self.max_queue, self._alive = addrs, worker, max_queue, alive
+        # pages of this size get their prefix-cache keys here, off the engine; 0: cache is off
+        self.key_page_size = key_page_size
         self.state = "loading"  # the engine's: loading | ready | failed | stopped | dead
         self.error: str | None = None
         self.info: EngineInfo | None = None
@@ -50,10 +53,11 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         self._board = QueueBoard(self.addrs.board)
         self._ctx = ctx = zmq.Context()
-        self._push = ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)  # never blocks; the engine reads as fast as it can
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(self.addrs.inbox)
+        self._push, self._control = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        for sock, addr in ((self._push, self.addrs.inbox), (self._control, self.addrs.control)):
+            sock.setsockopt(zmq.SNDHWM, 0)  # never blocks; the engine reads as fast as it can
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
         self._dealer = zmq.asyncio.Context.shadow(ctx).socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.ROUTING_ID, m.routing_id(self.worker))
         self._dealer.setsockopt(zmq.RCVHWM, 0)
@@ -72,6 +76,7 @@ class EngineClient:
         self._fail_all(NotReady("server is shutting down; retry on another replica"))
         if self._ctx is not None:
             self._push.close(0)
+            self._control.close(0)
             self._dealer.close(0)
             self._ctx.term()
         if self._board is not None:
@@ -101,7 +106,9 @@ class EngineClient:
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        self._send(m.Submit(self.worker, rid, [m.pack_ids(p) for p in prompts], params))
+        ps = self.key_page_size
+        keys = [b"".join(page_keys(p, ps)) for p in prompts] if ps else []
+        self._send(m.Submit(self.worker, rid, [m.pack_ids(p) for p in prompts], params, keys))
         return rid, fut
 
     def cancel(self, rid: int) -> None:
@@ -123,7 +130,7 @@ class EngineClient:
             return self.last_stats
         qid = next(self._ids)
         fut = self._queries[qid] = asyncio.get_running_loop().create_future()
-        self._send(m.StatsQuery(self.worker, qid))
+        self._control.send(m.encode(m.StatsQuery(self.worker, qid)), zmq.NOBLOCK)
         try:
             return await asyncio.wait_for(fut, STATS_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -136,7 +143,7 @@ class EngineClient:
 
     async def _greet(self) -> None:
         while self.state == "loading":
-            self._send(m.Hello(self.worker))
+            self._control.send(m.encode(m.Hello(self.worker)), zmq.NOBLOCK)
             await asyncio.sleep(HELLO_EVERY_S)
 
     async def _read(self) -> None:

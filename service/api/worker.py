@@ -106,7 +106,8 @@ def run(worker: int, engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: 
     from service.api.app import create_app
     from service.api.engine_client import EngineClient
 
-    engine = EngineClient(addrs, worker, max_queue=engine_cfg.max_queue_requests, alive=alive)
+    engine = EngineClient(addrs, worker, max_queue=engine_cfg.max_queue_requests, alive=alive,
+                          key_page_size=engine_cfg.page_size if engine_cfg.prefix_cache else 0)
     app = create_app(engine_cfg, server_cfg, engine, tokenizer)
     server = DrainingServer(uvicorn_config(app, server_cfg, workers=server_cfg.api_workers),
                             server_cfg.drain_timeout_s)

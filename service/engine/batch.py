@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from service.engine.host_copy import HostCopy
 from service.engine.packing import Packing
 from service.engine.pages import DUMMY_SLOT, flatten_pages, page_table_array, token_slots
 from service.model.meta import ForwardMeta, KVCache
@@ -17,32 +17,34 @@ def token_array(token_ids) -> np.ndarray:
     return np.asarray(token_ids, dtype=np.int64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SeqChunk:
-    """One sequence's share of a forward: `token_ids` are new; `prefix_len` tokens are cached."""
+    """One sequence's share of a forward: `ids` are new; `prefix_len` tokens are cached."""
 
-    token_ids: tuple[int, ...]
+    ids: np.ndarray  # the new token ids, int64 (any sequence of ints is converted)
     prefix_len: int
-    pages: tuple[int, ...]  # pages covering prefix_len + len(token_ids) tokens
+    pages: tuple[int, ...]  # pages covering prefix_len + len(ids) tokens
     all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
-    ids: np.ndarray | None = field(default=None, compare=False, repr=False)  # token_ids, int64
 
     def __post_init__(self) -> None:
-        assert self.ids is None or (self.ids.dtype == np.int64
-                                    and self.ids.shape == (len(self.token_ids),)), (
-            "ids must be the token ids as an int64 array")
-
-    @classmethod
-    def of(cls, token_ids, prefix_len: int, pages, all_logits: bool = False) -> SeqChunk:
-        ids = token_array(token_ids)
-        return cls(tuple(ids.tolist()), prefix_len, tuple(pages), all_logits, ids)
+        if not (isinstance(self.ids, np.ndarray) and self.ids.dtype == np.int64):
+            object.__setattr__(self, "ids", token_array(self.ids))
+        if not isinstance(self.pages, tuple):
+            object.__setattr__(self, "pages", tuple(self.pages))
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.ids)
 
-    def id_array(self) -> np.ndarray | tuple[int, ...]:
-        return self.token_ids if self.ids is None else self.ids
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self.ids.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SeqChunk):
+            return NotImplemented
+        return (self.prefix_len, self.pages, self.all_logits) == (
+            other.prefix_len, other.pages, other.all_logits) and np.array_equal(self.ids, other.ids)
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,8 @@ class PrefillBatch:
     meta: ForwardMeta
     logits_rows: tuple[tuple[int, int], ...]  # per chunk: [start, end) into the logits rows
     last_rows: torch.Tensor  # (B,) int64 on the device: each chunk's last row of the logits
-    # (B, summary_width) float64 on the host when a full graph reduced the last rows, else None
-    summary: torch.Tensor | None = None
+    # (B, summary_width) float64 on its way to the host when a full graph reduced the last rows
+    summary: HostCopy | None = None
     # (staging id, generation, shape) when staged: equal layouts share device addresses
     layout: tuple | None = None
 
@@ -96,12 +98,8 @@ def host_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], page_size: int,
     ids = np.zeros(padded, np.int64)
     pos = np.zeros(padded, np.int64)
     slots = np.full(padded, DUMMY_SLOT, np.int64)
-    if all(c.ids is not None for c in chunks):
-        if t:
-            np.concatenate([c.ids for c in chunks], out=ids[:t])
-    else:
-        ids[:t] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks),
-                              np.int64, t)
+    if t:
+        np.concatenate([c.ids for c in chunks], out=ids[:t])
     page_lists = [c.pages for c in chunks]
     flat = flatten_pages(page_lists)
     pos[:t], slots[:t] = token_slots(page_lists, prefix, counts, page_size, flat)

@@ -18,6 +18,7 @@ from service.engine.buckets import Buckets, resolve_buckets
 from service.engine.capture import Graphs, capture_and_size
 from service.engine.dp import DPGroup, DPRunner
 from service.engine.graph import CudaGraphBackend
+from service.engine.host_copy import HostCopy
 from service.engine.interface import EngineInfo, MemoryReport
 from service.engine.kv_pool import KVPool
 from service.engine.memory import (
@@ -31,27 +32,45 @@ from service.engine.runners import Runner
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.runners.eager import EagerRunner
 from service.engine.runners.full import FullGraphRunner
-from service.engine.sampling import LastRow, last_rows, unpack
+from service.engine.sampling import LastRow, summarize, unpack
 from service.model.loader import LoadedModel, load
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-__all__ = ["EngineCore", "ForwardOutput", "InsufficientMemory", "MemoryReport"]
+__all__ = ["EngineCore", "ForwardOutput", "InsufficientMemory", "Launched", "MemoryReport"]
 
 
 class ForwardOutput(NamedTuple):
     logits: list[torch.Tensor]  # per chunk: (rows, vocab) fp32 on the model's device
     last: list[LastRow]  # per chunk: its last row's greedy token and top logprobs, on the host
     mode: str  # "graph" | "eager"
-    seconds: float
+    seconds: float  # from launch until its summary reached the host
+
+
+class Launched:
+    """A forward queued on the GPU. Its logits are private tensors, so the next forward may be
+    launched before this one's `wait()`."""
+
+    __slots__ = ("logits", "summary", "mode", "t0")
+
+    def __init__(self, logits: list[torch.Tensor], summary: HostCopy | None, mode: str,
+                 t0: float):
+        self.logits, self.summary, self.mode, self.t0 = logits, summary, mode, t0
+
+    def ready(self) -> bool:
+        return self.summary is None or self.summary.ready()
+
+    def wait(self) -> ForwardOutput:
+        last = unpack(self.summary.get()) if self.summary is not None else []
+        return ForwardOutput(self.logits, last, self.mode, time.perf_counter() - self.t0)
 
 
 def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_positions: int
                     ) -> list[list[SeqChunk]]:
     def prompt(n: int) -> SeqChunk:
-        return SeqChunk.of([1] * n, page_size, [0] * pages_for(page_size + n, page_size))
+        return SeqChunk([1] * n, page_size, [0] * pages_for(page_size + n, page_size))
 
     small, tma = tile_thresholds()
     out = [[prompt(16) for _ in range(full_max_seqs + 1)], [prompt(small + 16)],
@@ -186,8 +205,8 @@ class EngineCore:
         return self.graphs.buckets if self.graphs is not None else ()
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
-        """Logits stay on the device; only each chunk's last-row summary crosses to the host."""
+    def launch(self, chunks: list[SeqChunk]) -> Launched:
+        """Queue a forward and its last rows' way to the host; returns without waiting for it."""
         t0 = time.perf_counter()
         tokens = sum(c.num_tokens for c in chunks)
         assert tokens <= self.max_batch_tokens, (
@@ -197,16 +216,14 @@ class EngineCore:
         logits, batch, mode = runner.run(chunks, self.pool.cache)
         self.forward_counts[mode] += 1
         self.runs[runner.name] += 1
-        rows = batch.logits_rows
-        if batch.summary is not None:
-            last = unpack(batch.summary)
-        elif rows:
-            # NOTE: a device index; a Python list would wait for the whole forward
-            last = last_rows(logits.index_select(0, batch.last_rows))
-        else:
-            last = []
-        return ForwardOutput([logits[s:e] for s, e in rows], last, mode,
-                             time.perf_counter() - t0)
+        summary = batch.summary
+        if summary is None and batch.logits_rows:
+            summary = HostCopy(summarize(logits.index_select(0, batch.last_rows)))
+        return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0)
+
+    def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
+        """Logits stay on the device; only each chunk's last-row summary crosses to the host."""
+        return self.launch(chunks).wait()
 
     def prefill_chunked(self, token_ids: list[int], chunk_tokens: int | None = None
                         ) -> torch.Tensor:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from service.engine.batch import PrefillBatch, SeqChunk
+from service.engine.host_copy import HostCopy
 from service.engine.packing import Packing
 from service.engine.pages import DUMMY_SLOT, pages_for
 from service.engine.sampling import summary_width
@@ -43,12 +44,9 @@ class FullBuffers:
         self.logits = torch.zeros(max_seqs, vocab, dtype=torch.float32, device=device)
         self.summary = torch.zeros(max_seqs, summary_width(vocab), dtype=torch.float64,
                                    device=device)
-        # pinned host side: the batch's staging and the summary's way back (`_fetched`)
         pinned = self.words.is_cuda
         self._stage = torch.empty(self.words.shape, dtype=torch.int64, pin_memory=pinned)
-        self._summary_host = torch.empty(self.summary.shape, dtype=torch.float64,
-                                         pin_memory=pinned)
-        self._fetched = torch.cuda.Event() if pinned else None
+        self._staged = torch.cuda.Event() if pinned else None  # the staging copy has left
         self._np64 = self._stage.numpy()
         self._arange = np.arange(max(max_pages * page_size, max_seqs), dtype=np.int64)
         self._views: dict[int, FullViews] = {}
@@ -79,12 +77,14 @@ class FullBuffers:
         return self._views[n]
 
     def stage(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], n: int) -> None:
-        """NOTE: the previous stage's copy must have left the staging buffer."""
+        """Fill the pinned staging buffer and queue its copy on the current stream."""
         b, ps = len(chunks), self.page_size
         key = (n, b)
         if key not in self._stage_views:
             self._stage_views[key] = self._slice_stage(n, b)
         ids, pos, slots, head, rows, cu, prefix, table, dst, src = self._stage_views[key]
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous batch's copy has left the buffer
         table[:] = 0
         t = 0
         for i, ch in enumerate(chunks):
@@ -95,7 +95,7 @@ class FullBuffers:
             at = self._arange[p:p + q]
             row = table[i]
             row[:len(ch.pages)] = ch.pages
-            ids[t:t + q] = ch.id_array()
+            ids[t:t + q] = ch.ids
             pos[t:t + q] = at
             slots[t:t + q] = row[at // ps].astype(np.int64) * ps + at % ps
             cu[i + 1], prefix[i], head[i] = t + q, p, t + q - 1
@@ -105,13 +105,15 @@ class FullBuffers:
         rows[:] = self._arange[:rows.size]
         # NOTE: non_blocking from pinned memory is a true async copy (on the current stream)
         dst.copy_(src, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
 
     def _slice_stage(self, n: int, b: int) -> tuple:
         k = self.packing(n).words_to(2, b * self.max_pages)  # through b rows of the table
         return (*self._parts(n, b, self._np64), self.words[:k], self._stage[:k])
 
     def batch(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int,
-              summary: torch.Tensor | None = None) -> PrefillBatch:
+              summary: HostCopy | None = None) -> PrefillBatch:
         """NOTE: meta.cu_seqlens_q has max_seqs + 1 entries; meta.q_lens only the live ones."""
         assert kv.page_size == self.page_size, f"page size {kv.page_size} != {self.page_size}"
         v, b = self.views(n), len(chunks)
@@ -132,17 +134,9 @@ class FullBuffers:
             torch.cuda.current_stream(self.words.device).synchronize()
         return self.batch(chunks, kv, n)
 
-    def fetch_summary(self, b: int) -> torch.Tensor:
-        """Queue b summary rows' copy to the host; returns the tensor `fetched_summary` fills."""
-        self._summary_host[:b].copy_(self.summary[:b], non_blocking=True)
-        if self._fetched is not None:
-            self._fetched.record()
-        return torch.empty(self._summary_host[:b].shape, dtype=torch.float64)
-
-    def fetched_summary(self, out: torch.Tensor) -> torch.Tensor:
-        if self._fetched is not None:
-            self._fetched.synchronize()
-        return out.copy_(self._summary_host[:out.shape[0]])
+    def fetch_summary(self, b: int) -> HostCopy:
+        """b summary rows' copy to the host, queued after the graph that writes them."""
+        return HostCopy(self.summary[:b])
 
 
 def capture_chunks(n: int, max_positions: int, page_size: int) -> list[SeqChunk]:

@@ -31,15 +31,20 @@ class PageAllocator:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise KVPoolExhausted(f"need {n} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
+        if n == 0:
+            return []
+        pages = self._free[:-n - 1:-1]  # from the end, as pop() would give them
+        del self._free[-n:]
         self._used.update(pages)
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for p in pages:
-            assert p in self._used, f"page {p} freed twice or never allocated"
-            self._used.remove(p)
-            self._free.append(p)
+        held = len(self._used)
+        self._used.difference_update(pages)
+        if len(self._used) != held - len(pages):
+            bad = next(p for i, p in enumerate(pages) if p in pages[:i] or p not in self._used)
+            raise AssertionError(f"page {bad} freed twice or never allocated")
+        self._free.extend(pages)
 
 
 class KVPool:

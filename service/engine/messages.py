@@ -32,6 +32,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     rid: int
     prompts: list[bytes]  # int32 token ids, one buffer per prompt
     params: SamplingParams
+    keys: list[bytes] = []  # per prompt, its prefix-cache page keys joined; [] = none sent
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -113,17 +114,19 @@ def unpack_ids(buf: bytes) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Addresses:
-    """The engine's two ZeroMQ endpoints (IPC sockets) and its queue board, in one private
+    """The engine's ZeroMQ endpoints (IPC sockets) and its queue board, in one private
     directory."""
 
-    inbox: str  # workers and the supervisor PUSH here; the engine PULLs
+    inbox: str  # Submit, Cancel, WorkerGone: PUSHed here, read by the engine thread
+    control: str  # Hello, StatsQuery: PUSHed here, answered by the engine's main thread
     outbox: str  # the engine's ROUTER; each worker's DEALER has its id as routing id
     board: str  # service.engine.board.QueueBoard's file
 
     @classmethod
     def in_dir(cls, directory: str | Path) -> Addresses:
         d = Path(directory)
-        return cls(f"ipc://{d / 'engine-in'}", f"ipc://{d / 'engine-out'}", str(d / "queue"))
+        return cls(f"ipc://{d / 'engine-in'}", f"ipc://{d / 'engine-ctl'}",
+                   f"ipc://{d / 'engine-out'}", str(d / "queue"))
 
 
 def routing_id(worker: int) -> bytes:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import numpy as np
 
 DUMMY_SLOT = 0
+KEY_BYTES = 16  # a prefix-cache page key: a blake2b digest
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -43,3 +45,20 @@ def page_table_array(page_lists: list[tuple[int, ...]],
     table = np.zeros((len(lengths), int(lengths.max(initial=0)) or 1), np.int32)
     table[np.arange(table.shape[1]) < lengths[:, None]] = flat
     return table
+
+
+def page_keys(token_ids, page_size: int) -> list[bytes]:
+    """Chain keys of every full page of `token_ids` (ints or an int64 array: the same keys)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    data = memoryview(ids).cast("B")
+    step = page_size * ids.itemsize
+    keys, parent = [], b""
+    for start in range(0, (len(ids) // page_size) * step, step):
+        parent = hashlib.blake2b(parent + data[start:start + step], digest_size=KEY_BYTES).digest()
+        keys.append(parent)
+    return keys
+
+
+def split_keys(blob: bytes) -> list[bytes]:
+    """`page_keys` joined into one buffer (as they travel) -> the list again."""
+    return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]

@@ -4,24 +4,9 @@ Pages are refcounted; cached ones at refcount 0 stay, evictable in LRU order; en
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
-import numpy as np
-
 from service.engine.kv_pool import KVPoolExhausted, PageAllocator
-
-
-def page_keys(token_ids, page_size: int) -> list[bytes]:
-    """Chain keys of every full page of `token_ids` (ints or an int64 array: the same keys)."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    data = memoryview(ids).cast("B")
-    step = page_size * ids.itemsize
-    keys, parent = [], b""
-    for start in range(0, (len(ids) // page_size) * step, step):
-        parent = hashlib.blake2b(parent + data[start:start + step], digest_size=16).digest()
-        keys.append(parent)
-    return keys
 
 
 class PrefixCache:
@@ -62,40 +47,44 @@ class PrefixCache:
 
     def alloc(self, n: int) -> list[int]:
         short = n - self.allocator.num_free
-        if short > len(self._lru):
-            raise KVPoolExhausted(f"need {n} KV pages, {self.available_pages} free or evictable")
-        for _ in range(max(short, 0)):
-            self._evict_oldest()
+        if short > 0:
+            if short > len(self._lru):
+                raise KVPoolExhausted(f"need {n} KV pages, {self.available_pages} free or "
+                                      "evictable")
+            self._evict(short)
         return self.allocator.alloc(n)
 
-    def _evict_oldest(self) -> None:
-        page, _ = self._lru.popitem(last=False)
-        del self._page_of[self._key_of.pop(page)], self._refs[page]
-        self.allocator.free([page])
+    def _evict(self, n: int) -> None:
+        """Free the n least recently used cached pages."""
+        lru, page_of, key_of, refs = self._lru, self._page_of, self._key_of, self._refs
+        pages = [lru.popitem(last=False)[0] for _ in range(n)]
+        for page in pages:
+            del page_of[key_of.pop(page)], refs[page]
+        self.allocator.free(pages)
 
     def insert(self, keys: list[bytes], pages: list[int], written_tokens: int) -> None:
         """Publish the request's full pages whose KV is written; it keeps holding them."""
         if not self.enabled:
             return
+        page_of, key_of, refs = self._page_of, self._key_of, self._refs
         for key, page in zip(keys[:written_tokens // self.page_size], pages):
-            if page in self._key_of or key in self._page_of:
-                continue  # already published, or the same tokens cached in another page
-            self._page_of[key], self._key_of[page], self._refs[page] = page, key, 1
+            # not if already published, or the same tokens are cached in another page
+            if page not in key_of and key not in page_of:
+                page_of[key], key_of[page], refs[page] = page, key, 1
 
     def release(self, pages: list[int]) -> None:
         """A request lets go of its pages: cached ones may become evictable, private ones free."""
-        private = []
+        private, key_of, refs, lru = [], self._key_of, self._refs, self._lru
         # NOTE: last page first into the LRU: evicting a first page would strand the later ones
         for page in reversed(pages):
-            if page in self._key_of:
-                self._refs[page] -= 1
-                assert self._refs[page] >= 0, f"page {page} released more often than held"
-                if self._refs[page] == 0:
-                    self._lru[page] = None
+            if page in key_of:
+                refs[page] -= 1
+                assert refs[page] >= 0, f"page {page} released more often than held"
+                if refs[page] == 0:
+                    lru[page] = None
             else:
                 private.append(page)
         self.allocator.free(private)
 
     def clear(self) -> None:
-        while self._lru:
-            self._evict_oldest()
+        self._evict(len(self._lru))

@@ -30,40 +30,36 @@ class Prompt:
     thread."""
 
     def __init__(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
-                 on_done: OnDone):
+                 on_done: OnDone, keys: list[bytes] | None = None):
         assert len(token_ids), "a request needs at least one token"
-        # NOTE: built here, off the engine thread; chunks and cache keys are views of it
+        # NOTE: built here, off the engine thread; chunks are views of it
         self.ids = token_array(token_ids)
-        self.token_ids = tuple(self.ids.tolist())
+        self.num_tokens = len(self.ids)
         self.params = params
         self.on_done = on_done
         self.arrival = time.perf_counter()
         self.admitted_at = 0.0
         self.pages: list[int] = []
-        self.done = 0  # prompt tokens whose KV is written
+        self.done = 0  # prompt tokens in a forward already launched
         self.cached = 0  # prompt tokens whose KV came from the prefix cache
-        self.keys: list[bytes] | None = None  # prefix-cache keys of the full pages
+        self.keys = keys  # prefix-cache keys of the full pages (None: not computed yet)
         self.prompt_lps: list[PositionLogprobs] = []
         self.cancelled = False
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def chunk(self, n: int, page_size: int) -> SeqChunk:
-        end = self.done + n
-        return SeqChunk(self.token_ids[self.done:end], self.done,
-                        tuple(self.pages[:pages_for(end, page_size)]),
-                        all_logits=self.params.prompt_logprobs, ids=self.ids[self.done:end])
+    def next_chunk(self, n: int, page_size: int) -> SeqChunk:
+        """The next `n` tokens as a chunk; they count as done from here on."""
+        start, end = self.done, self.done + n
+        self.done = end
+        return SeqChunk(self.ids[start:end], start, tuple(self.pages[:pages_for(end, page_size)]),
+                        self.params.prompt_logprobs)
 
     def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow
                ) -> PromptResult | None:
-        """Absorb chunk `c` (`done` already advanced); returns the result once the prompt is in."""
-        last = self.done == self.num_tokens
+        """Absorb chunk `c`'s forward; returns the result once the prompt's last chunk is in."""
+        end = c.prefix_len + c.num_tokens
+        last = end == self.num_tokens
         if self.params.prompt_logprobs:
-            targets = list(self.token_ids[c.prefix_len + 1:self.done])
-            if not last:
-                targets.append(self.token_ids[self.done])
+            targets = self.ids[c.prefix_len + 1:min(end + 1, self.num_tokens)].tolist()
             self.prompt_lps += prompt_logprobs(logits[:len(targets)], targets,
                                                self.params.top_logprobs)
         if not last:

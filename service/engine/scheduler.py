@@ -1,7 +1,9 @@
 """The engine loop: one thread owns the engine, batches queued prompts, reports each result.
 
 Other threads only call `submit`/`cancel`/`abort`, under the lock. Admission is FIFO with all of
-a prompt's pages, so a running prompt never waits for memory."""
+a prompt's pages, so a running prompt never waits for memory. The loop launches the next forward
+before it waits for the one in flight, so scheduling and answering overlap the GPU's work; the
+one stream orders the forwards, so a page freed or reused meanwhile is written in turn."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from service.engine.interface import (
     PromptResult,
     QueueFull,
 )
-from service.engine.pages import pages_for
-from service.engine.prefix_cache import PrefixCache, page_keys
+from service.engine.pages import page_keys, pages_for
+from service.engine.prefix_cache import PrefixCache
 from service.engine.prompt import NullObserver, Observer, Prompt
 
 log = logging.getLogger(__name__)
@@ -33,16 +35,24 @@ log = logging.getLogger(__name__)
 RATE_WINDOW_S = 30.0  # Retry-After's finishing rate counts prompts finished this recently
 
 
+Batch = list[tuple[Prompt, SeqChunk]]
+InFlight = tuple[Batch, Any]  # a batch and its engine's Launched forward
 OnLoaded = Callable[[BaseException | None], None]
 # Called under the lock whenever the queue changes: (prompts waiting, Retry-After seconds)
 OnQueue = Callable[[int, int], None]
+# Called by the engine thread, never under the lock: handle the input waiting, after waiting up
+# to `timeout` seconds for some (0: do not wait)
+Poll = Callable[[float], None]
+POLL_IDLE_S = 0.1  # an idle engine thread polling its input sees stop() this soon
 
 
 class Scheduler:
     def __init__(self, engine_factory: Callable[[], Any], *, max_queue: int,
                  max_batch_prompts: int, max_logit_rows: int = 2048,
                  prefix_cache: bool = True, observer: Observer | None = None,
-                 on_queue: OnQueue | None = None):
+                 on_queue: OnQueue | None = None, poll: Poll | None = None):
+        """With `poll`, the engine thread takes its own input between forwards (no thread
+        hands it over through the GIL); without, other threads call submit and cancel."""
         self._factory = engine_factory
         self.max_queue = max_queue
         self.max_batch_prompts = max_batch_prompts
@@ -50,6 +60,8 @@ class Scheduler:
         self.max_logit_rows = max_logit_rows  # prompt-logprob rows per forward
         self.observer = observer or NullObserver()
         self._on_queue = on_queue
+        self._poll = poll
+        self.launching_since = 0.0  # when the engine thread entered a launch; 0 outside one
         self.prefix_cache_enabled = prefix_cache
         self.cache: PrefixCache | None = None  # built with the engine (it needs the allocator)
         self._cv = threading.Condition()
@@ -134,7 +146,8 @@ class Scheduler:
         engine = self.engine
         if engine is not None and self.prefix_cache_enabled:  # hashed here, off the engine thread
             for r in reqs:
-                r.keys = page_keys(r.ids, engine.pool.page_size)
+                if r.keys is None:
+                    r.keys = page_keys(r.ids, engine.pool.page_size)
         with self._cv:
             if (err := self.admission_error(len(reqs))) is not None:
                 raise err
@@ -210,8 +223,7 @@ class Scheduler:
                 self.state = "ready"
         self._post_loaded(None)
         try:
-            while (batch := self._next_batch()) is not None:
-                self._run(batch)
+            self._loop()
         except BaseException as e:  # noqa: BLE001 - a bug here must not hang clients
             log.exception("engine loop died")
             self._fail(f"engine loop died: {type(e).__name__}: {e}")
@@ -224,6 +236,17 @@ class Scheduler:
                 engine.close()
             except Exception:  # noqa: BLE001
                 log.exception("engine close failed")
+
+    def _loop(self) -> None:
+        """Launch batch n + 1, then finish batch n: the GPU never waits for the host's answers."""
+        pending: InFlight | None = None
+        while (batch := self._next_batch(block=pending is None)) is not None:
+            launched = self._launch(batch) if batch else None
+            if pending is not None:
+                self._finish(*pending)
+            pending = launched
+        if pending is not None:
+            self._finish(*pending)
 
     def _post_loaded(self, exc: BaseException | None) -> None:
         if self._on_loaded is not None:
@@ -251,19 +274,25 @@ class Scheduler:
         if r in self._running:
             self._running.remove(r)
 
-    def _next_batch(self) -> list[tuple[Prompt, SeqChunk]] | None:
-        with self._cv:
-            while True:
+    def _next_batch(self, block: bool) -> Batch | None:
+        """The next batch; [] when there is none and not `block`; None once stopping."""
+        while True:
+            if self._poll is not None:
+                self._poll(0.0)
+            with self._cv:
                 if self._stop:
                     return None
                 for r in [r for r in self._running if r.cancelled]:
                     self._release(r)
                 batch = self._form_batch()
-                if batch:
+                if batch or not block:
                     return batch
-                self._cv.wait()
+                if self._poll is None:
+                    self._cv.wait()
+                    continue
+            self._poll(POLL_IDLE_S)
 
-    def _form_batch(self) -> list[tuple[Prompt, SeqChunk]]:
+    def _form_batch(self) -> Batch:
         pool = self.engine.pool
         budget, rows = self.engine.max_batch_tokens, self.max_logit_rows
         out: list[tuple[Prompt, SeqChunk]] = []
@@ -275,7 +304,7 @@ class Scheduler:
                 n = min(n, rows)
                 rows -= n
             if n > 0:
-                out.append((r, r.chunk(n, pool.page_size)))
+                out.append((r, r.next_chunk(n, pool.page_size)))
                 budget -= n
 
         for r in self._running:
@@ -307,28 +336,44 @@ class Scheduler:
             self._queue_changed()
         return out
 
-    def _run(self, batch: list[tuple[Prompt, SeqChunk]]) -> None:
-        chunks = [c for _, c in batch]
+    def _launch(self, batch: Batch) -> InFlight | None:
+        self.launching_since = time.monotonic()
         try:
-            out = self.engine.forward(chunks)
+            return batch, self.engine.launch([c for _, c in batch])
         except Exception as e:  # noqa: BLE001 - fail this batch only, keep serving
-            log.exception("forward of %d chunks failed", len(chunks))
-            err = ForwardFailed(f"forward failed: {type(e).__name__}: {e}")
-            with self._cv:
-                for r, _ in batch:
-                    self._release(r)
+            self._fail_batch(batch, e)
+            return None
+        finally:
+            self.launching_since = 0.0
+
+    def _fail_batch(self, batch: Batch, e: Exception) -> None:
+        log.exception("forward of %d chunks failed", len(batch))
+        err = ForwardFailed(f"forward failed: {type(e).__name__}: {e}")
+        with self._cv:
+            for r, _ in batch:
+                self._release(r)
+                if not r.cancelled:
+                    r.cancelled = True  # a later chunk already in flight is dropped
                     self._post(r, None, err)
+
+    def _finish(self, batch: Batch, launched: Any) -> None:
+        try:
+            if self._poll is not None:
+                while not launched.ready():  # take input while the GPU works
+                    self._poll(0.0)
+            out = launched.wait()
+        except Exception as e:  # noqa: BLE001
+            self._fail_batch(batch, e)
             return
-        self.observer.on_forward(out.mode, out.seconds, sum(c.num_tokens for c in chunks),
-                                 len(chunks))
+        self.observer.on_forward(out.mode, out.seconds, sum(c.num_tokens for _, c in batch),
+                                 len(batch))
         finished: list[tuple[Prompt, PromptResult | None, BaseException | None]] = []
         for (r, c), logits, summary in zip(batch, out.logits, out.last):
             if r.cancelled:
                 finished.append((r, None, None))
                 continue
             try:
-                r.done += c.num_tokens
-                self.cache.insert(r.keys or [], r.pages, r.done)
+                self.cache.insert(r.keys or [], r.pages, c.prefix_len + c.num_tokens)
                 res = r.absorb(c, logits, summary)
             except Exception as e:  # noqa: BLE001 - a sampling bug fails this prompt only
                 log.exception("post-processing failed")
@@ -343,6 +388,8 @@ class Scheduler:
                 if res is not None:
                     self._finished.append(now)
                 if not r.cancelled:
+                    if exc is not None:
+                        r.cancelled = True
                     self._post(r, res, exc)
             self._update_rate(now)
             self._queue_changed()

@@ -1,12 +1,16 @@
-"""The engine process: messages in on a PULL socket (main thread), the scheduler's engine thread,
-replies out through a ROUTER socket addressed by worker (from whichever thread finishes)."""
+"""The engine process: work (Submit, Cancel, WorkerGone) in on a PULL socket that the engine
+thread reads itself between forwards and while the GPU works, so no other thread competes with
+it for the GIL; the main thread reads it only while a launch keeps the engine thread away (a
+CPU forward runs inside its launch). Hello and StatsQuery come on a control socket that the
+main thread answers. Replies go out through a ROUTER socket addressed by worker."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
-from collections.abc import Callable
+import time
+from functools import partial
 from multiprocessing.connection import Connection
 
 import zmq
@@ -15,13 +19,14 @@ from service.config import EngineConfig, ServerConfig
 from service.engine import messages as m
 from service.engine.board import QueueBoard
 from service.engine.interface import KVPoolExhausted, NotReady, PromptResult, QueueFull
+from service.engine.pages import split_keys
 from service.engine.prompt import Prompt
 from service.engine.scheduler import Scheduler
 from service.process import exit_now, freeze_heap, setup_child
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 100  # how often the input loop looks at the stop flag
+HELP_S = 0.005  # a launch this long has the main thread read the work socket meanwhile
 STOP_WAIT_S = 1.0
 
 
@@ -51,16 +56,15 @@ class Request:
         self.results: list[PromptResult | None] = [None] * n
         self.left = n
 
-    def on_done(self, i: int) -> Callable[[PromptResult | None, BaseException | None], None]:
-        def done(result: PromptResult | None, exc: BaseException | None) -> None:
-            if exc is not None:
-                self.server.finish(self, None, exc)
-                return
-            self.results[i] = result
-            self.left -= 1
-            if self.left == 0:
-                self.server.finish(self, self.results, None)
-        return done
+    def done(self, i: int, result: PromptResult | None, exc: BaseException | None) -> None:
+        """Prompt i's OnDone (bound with functools.partial)."""
+        if exc is not None:
+            self.server.finish(self, None, exc)
+            return
+        self.results[i] = result
+        self.left -= 1
+        if self.left == 0:
+            self.server.finish(self, self.results, None)
 
 
 class EngineServer:
@@ -68,7 +72,9 @@ class EngineServer:
         self.scheduler, self.outbox = scheduler, outbox
         # (worker, rid) -> Request; whoever pops a key first (reply or cancel) owns its outcome
         self.requests: dict[tuple[int, int], Request] = {}
-        self.workers: set[int] = set()
+        self.workers: set[int] = set()  # known to the main thread (Hello) and the engine's
+        self._workers_lock = threading.Lock()
+        self._inbox_lock = threading.Lock()  # the work socket: the engine thread's, or main's
 
     def status(self) -> m.Status:
         s = self.scheduler
@@ -76,7 +82,9 @@ class EngineServer:
 
     def broadcast_status(self) -> None:
         status = self.status()
-        for w in list(self.workers):
+        with self._workers_lock:
+            workers = list(self.workers)
+        for w in workers:
             self.outbox.send(w, status)
 
     def finish(self, req: Request, results: list[PromptResult | None] | None,
@@ -102,18 +110,22 @@ class EngineServer:
         elif isinstance(msg, m.StatsQuery):
             self.outbox.send(msg.worker, m.StatsReply(msg.qid, self.scheduler.stats()))
         elif isinstance(msg, m.Hello):
-            self.workers.add(msg.worker)
+            with self._workers_lock:
+                self.workers.add(msg.worker)
             self.outbox.send(msg.worker, self.status())
         elif isinstance(msg, m.WorkerGone):
-            self.workers.discard(msg.worker)
+            with self._workers_lock:
+                self.workers.discard(msg.worker)
             for key in [k for k in list(self.requests) if k[0] == msg.worker]:
                 self.cancel(key)
 
     def submit(self, msg: m.Submit) -> None:
         key = (msg.worker, msg.rid)
         req = Request(self, key, len(msg.prompts))
-        req.prompts = [Prompt(m.unpack_ids(ids), msg.params, req.on_done(i))
-                       for i, ids in enumerate(msg.prompts)]
+        keys = ([split_keys(k) for k in msg.keys] if len(msg.keys) == len(msg.prompts)
+                else [None] * len(msg.prompts))
+        req.prompts = [Prompt(m.unpack_ids(ids), msg.params, partial(req.done, i), k)
+                       for i, (ids, k) in enumerate(zip(msg.prompts, keys))]
         self.requests[key] = req
         try:
             self.scheduler.submit(req.prompts)
@@ -127,33 +139,54 @@ class EngineServer:
             for p in req.prompts:
                 self.scheduler.cancel(p)
 
-    def serve(self, inbox: zmq.Socket, stop: threading.Event) -> None:
-        while not stop.is_set():
-            if not inbox.poll(POLL_MS):
+    def receive(self, sock: zmq.Socket, timeout_s: float) -> None:
+        """Handle every message waiting, after waiting up to `timeout_s` for the first."""
+        if not sock.poll(int(timeout_s * 1000)):
+            return
+        while True:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = m.to_engine(data)
+            except Exception:  # noqa: BLE001 - a bad message must not stop the engine
+                log.exception("undecodable message (%d bytes) dropped", len(data))
                 continue
-            while True:
+            self.handle(msg)
+
+    def receive_work(self, inbox: zmq.Socket, timeout_s: float) -> None:
+        """The scheduler's `poll`."""
+        with self._inbox_lock:
+            self.receive(inbox, timeout_s)
+
+    def serve(self, control: zmq.Socket, inbox: zmq.Socket, stop: threading.Event) -> None:
+        """The main thread, until `stop`: answer the control socket; read the work socket while
+        a launch holds the engine thread."""
+        while not stop.is_set():
+            self.receive(control, HELP_S)
+            since = self.scheduler.launching_since
+            if since and time.monotonic() - since > HELP_S and self._inbox_lock.acquire(False):
                 try:
-                    data = inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    msg = m.to_engine(data)
-                except Exception:  # noqa: BLE001 - a bad message must not stop the engine
-                    log.exception("undecodable message (%d bytes) dropped", len(data))
-                    continue
-                self.handle(msg)
+                    self.receive(inbox, 0.0)
+                finally:
+                    self._inbox_lock.release()
 
 
-def bind(ctx: zmq.Context, addrs: m.Addresses) -> tuple[zmq.Socket, zmq.Socket]:
-    inbox = ctx.socket(zmq.PULL)
-    inbox.setsockopt(zmq.RCVHWM, 0)
-    inbox.setsockopt(zmq.LINGER, 0)
-    inbox.bind(addrs.inbox)
+def bind(ctx: zmq.Context, addrs: m.Addresses) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    """(inbox, control, router)."""
+    pulls = []
+    for addr in (addrs.inbox, addrs.control):
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(addr)
+        pulls.append(sock)
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.SNDHWM, 0)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(addrs.outbox)
-    return inbox, router
+    return pulls[0], pulls[1], router
 
 
 def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
@@ -167,13 +200,13 @@ def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     metrics = Metrics(server_cfg.served_model_name)
     board = QueueBoard(addrs.board)  # created by the supervisor
+    ctx = zmq.Context()
+    inbox, control, router = bind(ctx, addrs)
     scheduler = Scheduler(lambda: EngineCore(engine_cfg),
                           max_queue=engine_cfg.max_queue_requests,
                           max_batch_prompts=engine_cfg.max_batch_prompts,
                           prefix_cache=engine_cfg.prefix_cache, observer=metrics,
-                          on_queue=board.write)
-    ctx = zmq.Context()
-    inbox, router = bind(ctx, addrs)
+                          on_queue=board.write, poll=lambda t: server.receive_work(inbox, t))
     server = EngineServer(scheduler, Outbox(router))
 
     def on_loaded(exc: BaseException | None) -> None:
@@ -187,7 +220,7 @@ def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
         server.broadcast_status()
 
     scheduler.start(on_loaded)
-    server.serve(inbox, stop)
+    server.serve(control, inbox, stop)
     scheduler.stop(STOP_WAIT_S)
     server.broadcast_status()
     exit_now(1 if scheduler.error else 0)

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -47,6 +48,7 @@ class TestEngine:
         self._core = core
         self._max_batch_tokens = max_batch_tokens
         self.delay_s = 0.0
+        self._gpu_free_at = 0.0
         self.fault_token: int | None = FAULT_TOKEN
         self.forwards: list[list[tuple[int, ...]]] = []  # token ids of every chunk, per forward
         self._lock = _CORE_LOCK
@@ -58,46 +60,76 @@ class TestEngine:
     def max_batch_tokens(self) -> int:
         return self._max_batch_tokens or self._core.max_batch_tokens
 
-    def forward(self, chunks: list) -> Any:
+    def launch(self, chunks: list) -> Any:
+        """`delay_s` acts as GPU time: forwards queue behind each other and `wait` waits."""
         self.forwards.append([c.token_ids for c in chunks])
-        if self.delay_s:
-            time.sleep(self.delay_s)
         if self.fault_token is not None and any(self.fault_token in c.token_ids for c in chunks):
             raise RuntimeError("injected fault")
         with self._lock:
-            return self._core.forward(chunks)
+            launched = self._core.launch(chunks)
+        if not self.delay_s:
+            return launched
+        self._gpu_free_at = end = max(time.monotonic(), self._gpu_free_at) + self.delay_s
+
+        def wait() -> Any:
+            time.sleep(max(end - time.monotonic(), 0.0))
+            return launched.wait()
+        return SimpleNamespace(wait=wait, ready=lambda: time.monotonic() >= end)
+
+    def forward(self, chunks: list) -> Any:
+        return self.launch(chunks).wait()
 
     def close(self) -> None:
         pass
 
 
 class EngineThread:
-    """The engine process's server loop on a thread of this process, over real ZeroMQ sockets."""
+    """The engine process's server on threads of this process, over real ZeroMQ sockets."""
 
-    def __init__(self, make_scheduler: Callable[[Callable[[int, int], None]], Scheduler]):
+    def __init__(self, make_scheduler: Callable[[Callable[[int, int], None],
+                                                 Callable[[float], None]], Scheduler]):
         self.dir = tempfile.mkdtemp(prefix="tp-")  # short: IPC paths are limited to ~100 bytes
         self.addrs = Addresses.in_dir(self.dir)
         self.board = QueueBoard(self.addrs.board, create=True)
-        self.scheduler = scheduler = make_scheduler(self.board.write)
+        self.silenced = False
         self.ctx = zmq.Context()
-        inbox, router = server.bind(self.ctx, self.addrs)
-        self.server = server.EngineServer(scheduler, server.Outbox(router))
+        inbox, control, router = server.bind(self.ctx, self.addrs)
+        self.scheduler = scheduler = make_scheduler(self.board.write,
+                                                    lambda t: self._poll(inbox, t))
+        self.server = server.EngineServer(scheduler, _Outbox(router, self))
         self.stop = threading.Event()
         scheduler.start(lambda exc: self.server.broadcast_status())
-        self.thread = threading.Thread(target=self.server.serve, args=(inbox, self.stop),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.server.serve,
+                                       args=(control, inbox, self.stop), daemon=True)
         self.thread.start()
 
+    def _poll(self, inbox: zmq.Socket, timeout_s: float) -> None:
+        if self.silenced:
+            time.sleep(timeout_s)
+        else:
+            self.server.receive_work(inbox, timeout_s)
+
     def silence(self) -> None:
-        """Stop reading and close both sockets: from now on the engine answers nothing."""
+        """From now on the engine reads nothing and its replies are lost."""
+        self.silenced = True
         self.stop.set()
         self.thread.join(10)
-        self.ctx.destroy(0)
 
     def close(self) -> None:
         self.silence()
         self.scheduler.stop(10.0)  # a forward under way finishes and frees its pages
+        self.ctx.destroy(0)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Outbox(server.Outbox):
+    def __init__(self, sock: zmq.Socket, owner: EngineThread):
+        super().__init__(sock)
+        self._owner = owner
+
+    def send(self, worker: int, msg: Any) -> None:
+        if not self._owner.silenced:
+            super().send(worker, msg)
 
 
 class LiveApp:
@@ -219,13 +251,14 @@ def make_app(core: Any, tokenizer: Any) -> Iterator[Callable[..., LiveApp]]:
         eng_cfg, srv_cfg = configs(**env)
         factory = engine_factory or (lambda cfg: TestEngine(core, max_batch_tokens))
         metrics = Metrics(srv_cfg.served_model_name)
-        engine = EngineThread(lambda on_queue: Scheduler(
+        engine = EngineThread(lambda on_queue, poll: Scheduler(
             lambda: factory(eng_cfg), max_queue=eng_cfg.max_queue_requests,
             max_batch_prompts=eng_cfg.max_batch_prompts, prefix_cache=eng_cfg.prefix_cache,
-            observer=metrics, on_queue=on_queue))
+            observer=metrics, on_queue=on_queue, poll=poll))
         alive_r, alive_w = multiprocessing.Pipe(duplex=False)
         client = EngineClient(engine.addrs, 0, max_queue=eng_cfg.max_queue_requests,
-                              alive=alive_r)
+                              alive=alive_r,
+                              key_page_size=eng_cfg.page_size if eng_cfg.prefix_cache else 0)
         app = create_app(eng_cfg, srv_cfg, client, tokenizer, metrics=metrics)
         live = LiveApp(app, engine, alive_w)
         apps.append(live)

@@ -18,8 +18,9 @@ from tests.api.conftest import EngineThread, TestEngine, wait_for
 def engine_thread(core: Any, max_batch_tokens: int | None = None,
                   **kw: Any) -> tuple[EngineThread, TestEngine]:
     test_engine = TestEngine(core, max_batch_tokens)
-    thread = EngineThread(lambda on_queue: Scheduler(
-        lambda: test_engine, max_queue=64, max_batch_prompts=64, on_queue=on_queue, **kw))
+    thread = EngineThread(lambda on_queue, poll: Scheduler(
+        lambda: test_engine, max_queue=64, max_batch_prompts=64, on_queue=on_queue, poll=poll,
+        **kw))
     return thread, test_engine
 
 
@@ -75,7 +76,8 @@ def test_a_gone_worker_has_its_requests_cancelled(core) -> None:
         asyncio.run(main())
         wait_for(lambda: thread.scheduler.in_flight == 0, 10, "the engine to drop both")
         assert thread.scheduler.kv_used_tokens == 0 and thread.server.requests == {}
-        assert len(eng.forwards) == 1  # the forward under way, and nothing after it
+        # the forward under way and the one launched behind it, nothing after them
+        assert len(eng.forwards) <= 2
     finally:
         thread.close()
 

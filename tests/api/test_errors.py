@@ -122,18 +122,22 @@ def test_queue_full_is_429(make_app) -> None:
     live.engine.delay_s = 1.0
 
     async def flood():
-        first = asyncio.ensure_future(live.client.post("/v1/prefill", json={"prompt": "a"}))
-        await until(lambda: live.engine.forwards)  # running now, queue empty
+        # two forwards in flight (the GPU's and the one launched behind it), the queue empty
+        first = []
+        for n, p in enumerate(("a", "a2"), 1):
+            first.append(asyncio.ensure_future(live.client.post("/v1/prefill",
+                                                                json={"prompt": p})))
+            await until(lambda n=n: len(live.engine.forwards) == n)
         waiting = [asyncio.ensure_future(live.client.post("/v1/prefill", json={"prompt": p}))
                    for p in ("b", "c")]
         await until(lambda: live.scheduler.queue_depth == 2)
         over = await live.client.post("/v1/prefill", json={"prompt": "d"})
-        return over, await asyncio.gather(first, *waiting)
+        return over, await asyncio.gather(*first, *waiting)
 
     over, done = live.run(flood())
     assert over.status_code == 429 and over.headers["retry-after"] == "1"
     assert "queued" in over.json()["error"]["message"]
-    assert [r.status_code for r in done] == [200, 200, 200]
+    assert [r.status_code for r in done] == [200] * 4
     r = live.post("/v1/prefill", json={"prompts": ["a", "b", "c"]})
     assert r.status_code == 400 and "MAX_QUEUE_REQUESTS" in r.json()["error"]["message"]
 
@@ -166,6 +170,8 @@ def test_client_disconnect_frees_kv_pages(api, core) -> None:
     async def go():
         running = asyncio.ensure_future(api.client.post("/v1/prefill", json={"prompt": "a b c"}))
         await until(lambda: api.engine.forwards)
+        behind = asyncio.ensure_future(api.client.post("/v1/prefill", json={"prompt": "d e"}))
+        await until(lambda: len(api.engine.forwards) == 2)  # launched behind the first
         queued = asyncio.ensure_future(api.client.post(
             "/v1/prefill", json={"input_ids": [4242, 4243]}))
         await until(lambda: api.scheduler.queue_depth == 1)
@@ -173,6 +179,7 @@ def test_client_disconnect_frees_kv_pages(api, core) -> None:
         running.cancel()
         queued.cancel()
         await asyncio.gather(running, queued, return_exceptions=True)
+        assert (await behind).status_code == 200
 
     api.run(go())
     # cancellations reach the engine as messages: the queue empties and the pages free soon after

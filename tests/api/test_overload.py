@@ -53,10 +53,12 @@ def test_a_429_is_answered_from_the_request_head(served, monkeypatch) -> None:
     monkeypatch.setattr(live.state.tokenizer, "encode_within",
                         lambda text, limit: tokenized.append(text) or real(text, limit))
     sched = live.scheduler
-    busy = [live.submit(live.client.post("/v1/prefill", json={"prompt": "a"}))]
-    wait_for(lambda: sched.running == 1, 30, "the first prompt to run")
-    busy.append(live.submit(live.client.post("/v1/prefill", json={"prompt": "b"})))
-    wait_for(lambda: sched.queue_depth == 1, 30, "the second prompt to queue")
+    busy = []
+    for n, p in enumerate(("a", "b"), 1):  # one forward on the GPU, one launched behind it
+        busy.append(live.submit(live.client.post("/v1/prefill", json={"prompt": p})))
+        wait_for(lambda n=n: len(live.engine.forwards) == n, 30, f"forward {n} to launch")
+    busy.append(live.submit(live.client.post("/v1/prefill", json={"prompt": "c"})))
+    wait_for(lambda: sched.queue_depth == 1, 30, "the third prompt to queue")
     before = len(tokenized)
     with connect(url) as s:
         s.sendall(b"POST /v1/prefill HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

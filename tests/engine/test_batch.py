@@ -79,7 +79,7 @@ def test_batch_tensors_share_one_transfer_and_start_aligned(staged) -> None:
     assert (b.layout is not None) == staged
 
 
-def _random_chunks(rng: random.Random, page_size: int, arrays: bool) -> list[SeqChunk]:
+def _random_chunks(rng: random.Random, page_size: int) -> list[SeqChunk]:
     free = list(range(1, 600))
     rng.shuffle(free)
     out = []
@@ -87,51 +87,46 @@ def _random_chunks(rng: random.Random, page_size: int, arrays: bool) -> list[Seq
         prefix, n = rng.randint(0, 40), rng.randint(1, 30)
         pages = [free.pop() for _ in range(pages_for(prefix + n, page_size))]
         ids = [rng.randrange(1000) for _ in range(n)]
-        make = SeqChunk.of if arrays else (lambda i, p, pg, a: SeqChunk(tuple(i), p, tuple(pg), a))
-        out.append(make(ids, prefix, pages, rng.random() < 0.3))
+        out.append(SeqChunk(ids, prefix, pages, rng.random() < 0.3))
     return out
 
 
 def test_staged_batches_equal_fresh_ones_and_reuse_their_addresses() -> None:
-    """Through a BatchStaging a batch holds the same values as through fresh buffers, whether
-    its chunks carry id arrays (SeqChunk.of, as Requests make them) or only tuples; a later
+    """Through a BatchStaging a batch holds the same values as through fresh buffers; a later
     batch of the same shape lands at the same addresses (what lets the runner reuse a bound
     attention launch), and a larger one grows the buffers under a new generation."""
     rng = random.Random(1)
     staging, kv = BatchStaging("cpu"), _kv(4)
     for _ in range(30):
-        arrays = rng.random() < 0.5
-        chunks = _random_chunks(rng, 4, arrays)
+        chunks = _random_chunks(rng, 4)
         t = sum(c.num_tokens for c in chunks)
         fresh = build_batch(chunks, kv, "cpu", pad_to=t + 3)
         staged = build_batch(chunks, kv, "cpu", pad_to=t + 3, staging=staging)
         for a, b in zip(_tensors(fresh), _tensors(staged)):
             assert a.dtype == b.dtype and a.tolist() == b.tolist()
         assert staged.logits_rows == fresh.logits_rows and staged.meta.q_lens == fresh.meta.q_lens
-        again = [dataclasses.replace(c, token_ids=tuple(x + 1 for x in c.token_ids), ids=None)
-                 for c in chunks]  # same shape, other tokens
+        again = [dataclasses.replace(c, ids=c.ids + 1) for c in chunks]  # same shape, other ids
         before = [x.data_ptr() for x in _tensors(staged)]
         other = build_batch(again, kv, "cpu", pad_to=t + 3, staging=staging)
         assert [x.data_ptr() for x in _tensors(other)] == before
         assert other.layout == staged.layout
         assert other.input_ids[:t].tolist() == [x + 1 for c in chunks for x in c.token_ids]
     gen = staging.generation
-    big = [SeqChunk.of(list(range(8000)), 0, range(1, 1 + pages_for(8000, 4)))]
+    big = [SeqChunk(list(range(8000)), 0, range(1, 1 + pages_for(8000, 4)))]
     b = build_batch(big, kv, "cpu", staging=staging)
     assert staging.generation == gen + 1 and b.input_ids.tolist() == list(range(8000))
     assert b.meta.slot_mapping.tolist() == [4 + i for i in range(8000)]
 
 
-def test_chunk_id_arrays_match_the_tokens() -> None:
-    c = SeqChunk.of([3, 1, 4], 2, [7])
-    assert c.token_ids == (3, 1, 4) and c.ids.dtype == np.int64 and c.ids.tolist() == [3, 1, 4]
-    assert c == SeqChunk((3, 1, 4), 2, (7,))  # the array is a cache, not part of the value
-    with pytest.raises(AssertionError, match="int64"):
-        SeqChunk((3, 1), 0, (7,), ids=np.array([3, 1], dtype=np.int32))
+def test_chunk_ids_are_int64_whatever_they_are_given_as() -> None:
+    c = SeqChunk([3, 1, 4], 2, [7])
+    assert c.token_ids == (3, 1, 4) and c.ids.dtype == np.int64 and c.pages == (7,)
+    assert c == SeqChunk(np.array([3, 1, 4], dtype=np.int32), 2, (7,))
+    assert c != SeqChunk((3, 1, 5), 2, (7,)) and c != SeqChunk((3, 1, 4), 1, (7,))
 
 
 def test_page_keys_are_the_same_for_tuples_and_arrays() -> None:
-    from service.engine.prefix_cache import page_keys
+    from service.engine.pages import page_keys
 
     ids = tuple(random.Random(2).randrange(150_000) for _ in range(70))
     keys = page_keys(ids, 16)

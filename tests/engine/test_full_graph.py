@@ -117,7 +117,7 @@ def test_full_graph_matches_eager(runner, lengths, prefixes):
     assert mode == "graph" and runner.full_forwards == before + 1
     assert batch.padded_tokens == runner.pad_to_bucket(sum(lengths))
     torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
-    got, ref_last = unpack(batch.summary), last_rows(want)  # reduced inside the graph
+    got, ref_last = unpack(batch.summary.get()), last_rows(want)  # reduced inside the graph
     assert [r.greedy.id for r in got] == [r.greedy.id for r in ref_last]
     for a, b in zip(got, ref_last):
         assert [t.id for t in a.top] == [t.id for t in b.top]

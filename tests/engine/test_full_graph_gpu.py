@@ -144,6 +144,7 @@ def test_full_and_breakable_forwards_share_kv_in_order(runner):
         assert runner.full_forwards == before + 1  # exactly one of the two was a full graph
         assert relerr(got, want) <= 2e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
         if batch.summary is not None:
-            assert batch.summary.device.type == "cpu"
-            assert unpack(batch.summary)[0].greedy.id == int(got[-1].argmax())
+            summary = batch.summary.get()
+            assert summary.device.type == "cpu"
+            assert unpack(summary)[0].greedy.id == int(got[-1].argmax())
         pool.allocator.free(list(tail.pages))  # the head's pages and the ones tail added

@@ -213,7 +213,7 @@ def test_staged_batches_reuse_the_bound_break_and_still_match_eager(monkeypatch)
               ([5, 7], [4, 0]), ([5, 7], [4, 0]), ([6, 6], [0, 0])]
     for i, (lengths, prefixes) in enumerate(shapes):
         chunks = _with_prefixes(runner, pool, lengths, prefixes, seed=100 + i)
-        chunks = [SeqChunk.of(c.token_ids, c.prefix_len, c.pages) for c in chunks]
+        chunks = [SeqChunk(c.token_ids, c.prefix_len, c.pages) for c in chunks]
         ref = eager_logits(model, chunks, pool)
         with torch.inference_mode():
             logits, batch, mode = runner.prefill(chunks, pool.cache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,6 +61,10 @@ class FakeEngine:
             logits[torch.arange(len(rows)), torch.tensor([(t + 1) % V for t in rows])] = 5.0
             out.append(logits)
         return ForwardOutput(out, last_rows(torch.cat([x[-1:] for x in out])), "eager", 0.001)
+
+    def launch(self, chunks):
+        out = self.forward(chunks)
+        return SimpleNamespace(wait=lambda: out, ready=lambda: True)
 
     def info(self) -> EngineInfo:
         pool = self.pool

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from service.engine.prefix_cache import PrefixCache, page_keys
+from service.engine.pages import page_keys
+from service.engine.prefix_cache import PrefixCache
 from tests.engine.test_scheduler import FakeEngine, req, run, started
 
 
