@@ -339,7 +339,7 @@ def report(argv: list[str]) -> None:
         "worse), better by as much → faster (better), else within noise. Graph counts are "
         "informational (same / differs). Known beforehand: the restructure removed "
         "CUDA_GRAPH_SHARED_MAX_TOKENS, so SmolLM2 captures ~224 graphs and ~30 MB more "
-        "(restructure-ab-h200-2026-12-01); the attention launcher's 'new q' and 'bind each "
+        "(a back-to-back run of 2026-12-01); the attention launcher's 'new q' and 'bind each "
         "call' rows time different things.")
     lines += ["", "## Runs", "", "| run | status |", "|---|---|"]
     lines += [f"| {run} | {status[run]} |" for run in ("before1", "after1", "before2", "after2")]

@@ -50,8 +50,7 @@ class ForwardOutput(NamedTuple):
 
 
 class Launched:
-    """A forward queued on the GPU. Its logits are private tensors, so the next forward may be
-    launched before this one's `wait()`."""
+    """A queued forward; its logits are its own, so the next may launch before its `wait()`."""
 
     __slots__ = ("logits", "summary", "mode", "t0")
 
@@ -222,7 +221,6 @@ class EngineCore:
         return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0)
 
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
-        """Logits stay on the device; only each chunk's last-row summary crosses to the host."""
         return self.launch(chunks).wait()
 
     def prefill_chunked(self, token_ids: list[int], chunk_tokens: int | None = None

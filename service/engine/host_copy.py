@@ -6,8 +6,7 @@ import torch
 
 
 class HostCopy:
-    """Copies `src` into pinned host memory on the current stream; `get()` waits for that copy
-    alone (the GIL is released meanwhile), not for work queued after it."""
+    """`src` copied to pinned memory on the current stream; `get()` waits for that copy alone."""
 
     __slots__ = ("_host", "_event")
 

@@ -60,5 +60,4 @@ def page_keys(token_ids, page_size: int) -> list[bytes]:
 
 
 def split_keys(blob: bytes) -> list[bytes]:
-    """`page_keys` joined into one buffer (as they travel) -> the list again."""
     return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]

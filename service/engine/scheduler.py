@@ -1,22 +1,21 @@
 """The engine loop: one thread owns the engine, batches queued prompts, reports each result.
 
 Other threads only call `submit`/`cancel`/`abort`, under the lock. Admission is FIFO with all of
-a prompt's pages, so a running prompt never waits for memory. The loop launches the next forward
-before it waits for the one in flight, so scheduling and answering overlap the GPU's work; the
-one stream orders the forwards, so a page freed or reused meanwhile is written in turn."""
+a prompt's pages. Forward n + 1 is launched before forward n is read; the one stream orders
+them, so a page freed or reused meanwhile is written in turn."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from service.engine.batch import SeqChunk
+from service.engine.batching import Batch, form_batch
+from service.engine.finish_rate import FinishRate
 from service.engine.interface import (
     EngineInfo,
     EngineStats,
@@ -32,16 +31,13 @@ from service.engine.prompt import NullObserver, Observer, Prompt
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 30.0  # Retry-After's finishing rate counts prompts finished this recently
 
 
-Batch = list[tuple[Prompt, SeqChunk]]
 InFlight = tuple[Batch, Any]  # a batch and its engine's Launched forward
 OnLoaded = Callable[[BaseException | None], None]
 # Called under the lock whenever the queue changes: (prompts waiting, Retry-After seconds)
 OnQueue = Callable[[int, int], None]
-# Called by the engine thread, never under the lock: handle the input waiting, after waiting up
-# to `timeout` seconds for some (0: do not wait)
+# The engine thread's input, never under the lock: handle what waits, waiting up to `timeout` s
 Poll = Callable[[float], None]
 POLL_IDLE_S = 0.1  # an idle engine thread polling its input sees stop() this soon
 
@@ -51,8 +47,7 @@ class Scheduler:
                  max_batch_prompts: int, max_logit_rows: int = 2048,
                  prefix_cache: bool = True, observer: Observer | None = None,
                  on_queue: OnQueue | None = None, poll: Poll | None = None):
-        """With `poll`, the engine thread takes its own input between forwards (no thread
-        hands it over through the GIL); without, other threads call submit and cancel."""
+        """With `poll`, the engine thread takes its own input (no GIL hand-over per message)."""
         self._factory = engine_factory
         self.max_queue = max_queue
         self.max_batch_prompts = max_batch_prompts
@@ -74,8 +69,7 @@ class Scheduler:
         self.error: str | None = None
         self._on_loaded: OnLoaded | None = None
         self.info: EngineInfo | None = None  # set once the engine has loaded
-        self._finished: deque[float] = deque(maxlen=256)  # finish times of the latest prompts
-        self._rate = 0.0
+        self._finish_rate = FinishRate()
 
     # ---- callers' side ----------------------------------------------------------------------
     def start(self, on_loaded: OnLoaded | None = None) -> None:
@@ -118,18 +112,7 @@ class Scheduler:
         return len(self._waiting) + len(self._running)
 
     def retry_after_s(self) -> int:
-        """Seconds to drain the queue at the recent finishing rate (1 to 60); O(1)."""
-        rate = self._rate
-        if rate <= 0.0:
-            return 1
-        return min(max(math.ceil(len(self._waiting) / rate), 1), 60)
-
-    def _update_rate(self, now: float) -> None:
-        done = self._finished
-        while done and now - done[0] > RATE_WINDOW_S:
-            done.popleft()
-        span = done[-1] - done[0] if len(done) > 1 else 0.0
-        self._rate = (len(done) - 1) / span if span > 0 else 0.0
+        return self._finish_rate.retry_after_s(len(self._waiting))
 
     def admission_error(self, prompts: int = 1) -> Exception | None:
         """Why `prompts` more prompts cannot be queued now, or None; lock-free."""
@@ -293,48 +276,12 @@ class Scheduler:
             self._poll(POLL_IDLE_S)
 
     def _form_batch(self) -> Batch:
-        pool = self.engine.pool
-        budget, rows = self.engine.max_batch_tokens, self.max_logit_rows
-        out: list[tuple[Prompt, SeqChunk]] = []
-
-        def take(r: Prompt) -> None:
-            nonlocal budget, rows
-            n = min(r.num_tokens - r.done, budget)
-            if r.params.prompt_logprobs:
-                n = min(n, rows)
-                rows -= n
-            if n > 0:
-                out.append((r, r.next_chunk(n, pool.page_size)))
-                budget -= n
-
-        for r in self._running:
-            if len(out) >= self.max_batch_prompts or budget <= 0:
-                return out
-            take(r)
         waiting = len(self._waiting)
-        while self._waiting and len(out) < self.max_batch_prompts and budget > 0:
-            r = self._waiting[0]
-            if r.params.prompt_logprobs and rows <= 0:
-                break
-            ps, cache = pool.page_size, self.cache
-            if r.keys is None:
-                r.keys = page_keys(r.ids, ps) if cache.enabled else []
-            # prompt logprobs need every position's logits; the last token is always computed
-            reuse = [] if r.params.prompt_logprobs else cache.match(
-                r.keys, (r.num_tokens - 1) // ps)
-            need = pages_for(r.num_tokens, ps) - len(reuse)
-            if need > cache.available_pages:
-                cache.release(reuse)
-                break  # FIFO: wait for pages rather than let smaller prompts overtake
-            self._waiting.popleft()
-            r.pages = reuse + cache.alloc(need)
-            r.cached = r.done = len(reuse) * ps
-            r.admitted_at = time.perf_counter()
-            self._running.append(r)
-            take(r)
+        batch = form_batch(self._running, self._waiting, self.cache, self.engine.max_batch_tokens,
+                           self.max_batch_prompts, self.max_logit_rows)
         if len(self._waiting) != waiting:
             self._queue_changed()
-        return out
+        return batch
 
     def _launch(self, batch: Batch) -> InFlight | None:
         self.launching_since = time.monotonic()
@@ -353,7 +300,7 @@ class Scheduler:
             for r, _ in batch:
                 self._release(r)
                 if not r.cancelled:
-                    r.cancelled = True  # a later chunk already in flight is dropped
+                    r.cancelled = True
                     self._post(r, None, err)
 
     def _finish(self, batch: Batch, launched: Any) -> None:
@@ -382,14 +329,11 @@ class Scheduler:
             if res is not None:
                 finished.append((r, res, None))
         with self._cv:
-            now = time.perf_counter()
             for r, res, exc in finished:
                 self._release(r)
-                if res is not None:
-                    self._finished.append(now)
                 if not r.cancelled:
-                    if exc is not None:
-                        r.cancelled = True
+                    r.cancelled = exc is not None  # a later chunk in flight is dropped
                     self._post(r, res, exc)
-            self._update_rate(now)
+            self._finish_rate.add(time.perf_counter(),
+                                  sum(res is not None for _, res, _ in finished))
             self._queue_changed()

@@ -1,7 +1,5 @@
-"""The engine process: work (Submit, Cancel, WorkerGone) in on a PULL socket that the engine
-thread reads itself between forwards and while the GPU works, so no other thread competes with
-it for the GIL; the main thread reads it only while a launch keeps the engine thread away (a
-CPU forward runs inside its launch). Hello and StatsQuery come on a control socket that the
+"""The engine process. Work (Submit, Cancel, WorkerGone) comes on a socket the engine thread reads
+itself, between forwards and while the GPU works; Hello and StatsQuery on a control socket the
 main thread answers. Replies go out through a ROUTER socket addressed by worker."""
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ STOP_WAIT_S = 1.0
 
 
 class Outbox:
-    """The ROUTER socket, shared by the input thread and the engine thread."""
+    """The ROUTER socket, shared by the main thread and the engine thread."""
 
     def __init__(self, sock: zmq.Socket):
         self._sock, self._lock = sock, threading.Lock()
@@ -72,9 +70,9 @@ class EngineServer:
         self.scheduler, self.outbox = scheduler, outbox
         # (worker, rid) -> Request; whoever pops a key first (reply or cancel) owns its outcome
         self.requests: dict[tuple[int, int], Request] = {}
-        self.workers: set[int] = set()  # known to the main thread (Hello) and the engine's
+        self.workers: set[int] = set()
         self._workers_lock = threading.Lock()
-        self._inbox_lock = threading.Lock()  # the work socket: the engine thread's, or main's
+        self._inbox_lock = threading.Lock()
 
     def status(self) -> m.Status:
         s = self.scheduler
@@ -156,13 +154,12 @@ class EngineServer:
             self.handle(msg)
 
     def receive_work(self, inbox: zmq.Socket, timeout_s: float) -> None:
-        """The scheduler's `poll`."""
         with self._inbox_lock:
             self.receive(inbox, timeout_s)
 
     def serve(self, control: zmq.Socket, inbox: zmq.Socket, stop: threading.Event) -> None:
-        """The main thread, until `stop`: answer the control socket; read the work socket while
-        a launch holds the engine thread."""
+        """The main thread until `stop`; it reads the work socket too while a launch (a whole
+        forward, on a CPU) holds the engine thread."""
         while not stop.is_set():
             self.receive(control, HELP_S)
             since = self.scheduler.launching_since

@@ -325,3 +325,43 @@ def test_logprob_prompts_wait_for_logit_rows_before_taking_pages() -> None:
         s.stop()
 
     run(main())
+
+
+class OverlapEngine(FakeEngine):
+    """Logs when each forward is launched and when its results are read."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.events: list[str] = []
+
+    def launch(self, chunks):
+        n = len(self.calls) + 1
+        out = self.forward(chunks)
+        self.events.append(f"launch {n}")
+
+        def wait():
+            self.events.append(f"wait {n}")
+            return out
+        return SimpleNamespace(wait=wait, ready=lambda: True)
+
+
+def test_the_next_forward_is_launched_before_the_last_is_read() -> None:
+    """Chunks of one prompt and a second prompt in consecutive forwards: forward n + 1 is
+    launched before forward n's results are read, and each prompt still gets its own answer
+    (a chunked prompt's logprobs stay in order)."""
+    async def main():
+        eng = OverlapEngine(pages=16, page_size=4, budget=5)
+        s = await started(eng)
+        long_ids = list(range(20, 32))  # chunks of 5, 5, 2 tokens
+        a = req(long_ids, prompt_logprobs=True)
+        b = req([40, 41, 42])
+        s.submit([a, b])
+        ra, rb = await a.future, await b.future
+        assert eng.events[:3] == ["launch 1", "launch 2", "wait 1"]
+        assert eng.events.index("launch 3") < eng.events.index("wait 2")
+        assert ra.next.token.id == 32 and rb.next.token.id == 43
+        assert [p.token.id for p in ra.prompt_logprobs] == long_ids[1:]
+        await until(lambda: s.kv_used_tokens == 0, "the pages to be freed")
+        s.stop()
+
+    run(main())

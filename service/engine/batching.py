@@ -1,0 +1,56 @@
+"""Which prompts' chunks go into the next forward: running prompts first, then admissions."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from service.engine.batch import SeqChunk
+from service.engine.pages import page_keys, pages_for
+from service.engine.prefix_cache import PrefixCache
+from service.engine.prompt import Prompt
+
+Batch = list[tuple[Prompt, SeqChunk]]
+
+
+def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache,
+               budget: int, max_prompts: int, rows: int) -> Batch:
+    """Up to `budget` tokens, `max_prompts` chunks and `rows` prompt-logprob rows. Admission is
+    FIFO and gives a prompt all its KV pages at once (cached full pages first), moving it from
+    `waiting` to `running`."""
+    ps = cache.page_size
+    out: Batch = []
+
+    def take(r: Prompt) -> None:
+        nonlocal budget, rows
+        n = min(r.num_tokens - r.done, budget)
+        if r.params.prompt_logprobs:
+            n = min(n, rows)
+            rows -= n
+        if n > 0:
+            out.append((r, r.next_chunk(n, ps)))
+            budget -= n
+
+    for r in running:
+        if len(out) >= max_prompts or budget <= 0:
+            return out
+        take(r)
+    while waiting and len(out) < max_prompts and budget > 0:
+        r = waiting[0]
+        if r.params.prompt_logprobs and rows <= 0:
+            break
+        if r.keys is None:
+            r.keys = page_keys(r.ids, ps) if cache.enabled else []
+        # prompt logprobs need every position's logits; the last token is always computed
+        reuse = [] if r.params.prompt_logprobs else cache.match(r.keys, (r.num_tokens - 1) // ps)
+        need = pages_for(r.num_tokens, ps) - len(reuse)
+        if need > cache.available_pages:
+            cache.release(reuse)
+            break  # wait for pages rather than let smaller prompts overtake
+        waiting.popleft()
+        r.pages = reuse + cache.alloc(need)
+        r.cached = r.done = len(reuse) * ps
+        r.admitted_at = time.perf_counter()
+        running.append(r)
+        take(r)
+    return out
