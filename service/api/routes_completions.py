@@ -45,6 +45,9 @@ def check_supported(body: CompletionRequest) -> int:
         raise BadInput("logit_bias is not supported by this service", "logit_bias")
     if body.suffix:
         raise BadInput("suffix (insertion) is not supported by this service", "suffix")
+    if body.logprob_token_ids and body.logprobs is None:
+        raise BadInput("logprob_token_ids needs logprobs (the logprobs are returned there)",
+                       "logprob_token_ids")
     return max_tokens
 
 
@@ -64,7 +67,7 @@ def prompt_inputs(state: AppState, prompt: object) -> tuple[list[list[int]], lis
 
 def _top(state: AppState, p: PositionLogprobs) -> dict[str, float]:
     text = state.tokenizer.token_text
-    top = {text(t.id): t.logprob for t in p.top}
+    top = {text(t.id): t.logprob for t in (p.top if p.named is None else p.named)}
     top.setdefault(text(p.token.id), p.token.logprob)  # vLLM: the chosen token is always listed
     return top
 
@@ -111,9 +114,13 @@ async def completions(body: CompletionRequest, state: State,
     prompts, texts = await tokenized(state, request, body.model, prompt_inputs, state,
                                      body.prompt)
     want_lps = body.logprobs is not None
+    named = body.logprob_token_ids or []
+    if named:
+        check_ids(state, [named], "logprob_token_ids", single=True)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                            seed=body.seed, top_logprobs=body.logprobs or 0,
-                            prompt_logprobs=want_lps and body.echo)
+                            seed=body.seed, top_logprobs=0 if named else body.logprobs or 0,
+                            prompt_logprobs=want_lps and body.echo,
+                            logprob_token_ids=tuple(named))
     results = await run_prompts(state, request, prompts, params)
     decode = state.tokenizer.decode
     choices = [to_choice(state, i, body, max_tokens, ids,

@@ -39,28 +39,37 @@ def _tok(state: AppState, t: TokenLogprob) -> TokenInfo:
     return TokenInfo(id=t.id, text=state.tokenizer.token_text(t.id), logprob=t.logprob)
 
 
+def _toks(state: AppState, ts: list[TokenLogprob] | None) -> list[TokenInfo] | None:
+    return None if ts is None else [_tok(state, t) for t in ts]
+
+
 def to_result(state: AppState, i: int, ids: list[int], res: PromptResult) -> PrefillResult:
     plps = None
     if res.prompt_logprobs is not None:
         text = state.tokenizer.token_text
         plps = [PromptTokenInfo(id=ids[0], text=text(ids[0]), logprob=None)]
         plps += [PromptTokenInfo(id=p.token.id, text=text(p.token.id), logprob=p.token.logprob,
-                                 top_logprobs=[_tok(state, t) for t in p.top] if p.top else None)
+                                 top_logprobs=_toks(state, p.top) if p.top else None,
+                                 token_logprobs=_toks(state, p.named))
                  for p in res.prompt_logprobs]
     return PrefillResult(
         index=i, prompt_tokens=res.prompt_tokens, cached_tokens=res.cached_tokens,
-        next_token=_tok(state, res.next.token), top_logprobs=[_tok(state, t) for t in res.next.top],
-        prompt_logprobs=plps, queue_ms=round(res.queue_s * 1e3, 3),
-        prefill_ms=round(res.prefill_s * 1e3, 3))
+        next_token=_tok(state, res.next.token), top_logprobs=_toks(state, res.next.top),
+        token_logprobs=_toks(state, res.next.named), prompt_logprobs=plps,
+        queue_ms=round(res.queue_s * 1e3, 3), prefill_ms=round(res.prefill_s * 1e3, 3))
 
 
 @router.post("/prefill", response_model=PrefillResponse)
 async def prefill(body: PrefillRequest, state: State, request: Request) -> Response:
     """Prefill each prompt and return its first token (greedy unless temperature > 0)."""
     prompts = await tokenized(state, request, body.model, prompt_ids, state, body)
+    named = body.logprob_token_ids or []
+    if named:
+        check_ids(state, [named], "logprob_token_ids", single=True)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.top_logprobs,
-                            prompt_logprobs=body.prompt_logprobs)
+                            prompt_logprobs=body.prompt_logprobs,
+                            logprob_token_ids=tuple(named))
     results = await run_prompts(state, request, prompts, params)
     out = [to_result(state, i, ids, r) for i, (ids, r) in enumerate(zip(prompts, results))]
     state.metrics.count("ok")

@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from service.engine.interface import MAX_TOP_LOGPROBS
+from service.engine.interface import MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 
 def _unicode(text: str) -> str:
@@ -55,6 +55,10 @@ class PrefillRequest(_Sampling):
                               description="Alternatives reported for the next token.")
     prompt_logprobs: bool = Field(False, description=(
         "Return the logprob of every prompt token given its prefix (and its top_logprobs)."))
+    logprob_token_ids: TokenIds | None = Field(
+        None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+            "Token ids whose next-token logprobs are returned (`token_logprobs`, in this order) "
+            "whatever their rank, at every prompt position too with prompt_logprobs."))
 
     @model_validator(mode="after")
     def _one_input(self) -> PrefillRequest:
@@ -73,6 +77,7 @@ class TokenInfo(BaseModel):
 
 class PromptTokenInfo(TokenInfo):
     top_logprobs: list[TokenInfo] | None = None
+    token_logprobs: list[TokenInfo] | None = None
 
 
 class PrefillResult(BaseModel):
@@ -81,6 +86,7 @@ class PrefillResult(BaseModel):
     cached_tokens: int
     next_token: TokenInfo
     top_logprobs: list[TokenInfo]
+    token_logprobs: list[TokenInfo] | None = None  # of the request's logprob_token_ids
     prompt_logprobs: list[PromptTokenInfo] | None = None  # one per prompt token; first: null
     queue_ms: float
     prefill_ms: float
@@ -106,6 +112,10 @@ class CompletionRequest(_Sampling):
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0, description="0 or 1 (default 1) in this service.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_token_ids: TokenIds | None = Field(
+        None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+            "An extension (vLLM's name): with logprobs set, each position's top_logprobs lists "
+            "these tokens, whatever their rank, instead of the most likely ones."))
     echo: bool = False
     n: int = Field(1, ge=1)
     best_of: int | None = Field(None, ge=1)

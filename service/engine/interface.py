@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 256  # named tokens whose logprobs one request may ask for
 
 
 class QueueFull(Exception):
@@ -36,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0  # alternatives reported for the next token (and prompt positions)
     prompt_logprobs: bool = False  # logprob of every prompt token given its prefix
+    logprob_token_ids: tuple[int, ...] = ()  # tokens whose logprobs are reported, whatever rank
 
     def __post_init__(self) -> None:
         assert self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"
@@ -43,6 +45,8 @@ class SamplingParams:
         assert self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"
         assert 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, (
             f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        assert len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS, (
+            f"at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +61,7 @@ class TokenLogprob(NamedTuple):
 class PositionLogprobs(NamedTuple):
     token: TokenLogprob
     top: list[TokenLogprob]
+    named: list[TokenLogprob] | None = None  # SamplingParams.logprob_token_ids, in that order
 
 
 class PromptResult(NamedTuple):

@@ -61,7 +61,8 @@ class Prompt:
         if self.params.prompt_logprobs:
             targets = self.ids[c.prefix_len + 1:min(end + 1, self.num_tokens)].tolist()
             self.prompt_lps += prompt_logprobs(logits[:len(targets)], targets,
-                                               self.params.top_logprobs)
+                                               self.params.top_logprobs,
+                                               self.params.logprob_token_ids)
         if not last:
             return None
         first = next_token(logits[-1], summary, self.params)

@@ -91,18 +91,32 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=gen or make_generator(params.seed)))
 
 
+def named_logprobs(logits: torch.Tensor, ids: tuple[int, ...]) -> list[list[TokenLogprob]]:
+    """Per row of (N, V) logits, the logprobs of `ids`, reduced on the logits' device."""
+    idx = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+    rows = []
+    for lo in range(0, logits.shape[0], PROMPT_ROWS_PER_STEP):
+        rows += log_softmax(logits[lo:lo + PROMPT_ROWS_PER_STEP]).index_select(-1, idx).tolist()
+    return [[TokenLogprob(t, v) for t, v in zip(ids, r)] for r in rows]
+
+
 def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> PositionLogprobs:
-    """The first token from the last (V,) logits `row`; greedy reads only the summary."""
+    """The first token from the last (V,) logits `row`; greedy reads only the summary (and the
+    named tokens' logprobs, when asked, from `row` on its device)."""
     top = last.top_n(params.top_logprobs)
+    named = named_logprobs(row[None], params.logprob_token_ids)[0] if (
+        params.logprob_token_ids) else None
     if params.greedy:
-        return PositionLogprobs(last.greedy, top)
+        return PositionLogprobs(last.greedy, top, named)
     x = row.cpu()
     tok = choose(x, params, make_generator(params.seed))
-    return PositionLogprobs(TokenLogprob(tok, float(log_softmax(x)[tok])), top)
+    return PositionLogprobs(TokenLogprob(tok, float(log_softmax(x)[tok])), top, named)
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[PositionLogprobs]:
-    """Logprob of `targets[i]` under row i of (N, V) logits (row i predicts it), and the top-k."""
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int,
+                    named: tuple[int, ...] = ()) -> list[PositionLogprobs]:
+    """Logprob of `targets[i]` under row i of (N, V) logits (row i predicts it), the top-k, and
+    the logprobs of the `named` tokens."""
     assert logits.shape[0] == len(targets), f"{logits.shape[0]} rows for {len(targets)} targets"
     if not targets:
         return []
@@ -114,5 +128,6 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[Po
         parts.append(torch.cat([lp.gather(-1, tgt[lo:lo + lp.shape[0], None]).double(),
                                 ids.double(), vals.double()], dim=-1))  # (rows, 1 + 2k)
     packed = torch.cat(parts)
-    return [PositionLogprobs(TokenLogprob(t, r[0]), _pairs(r[1:1 + k], r[1 + k:]))
-            for t, r in zip(targets, packed.tolist())]
+    per_row = named_logprobs(logits, named) if named else [None] * len(targets)
+    return [PositionLogprobs(TokenLogprob(t, r[0]), _pairs(r[1:1 + k], r[1 + k:]), n)
+            for t, r, n in zip(targets, packed.tolist(), per_row)]

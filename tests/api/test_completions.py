@@ -94,3 +94,26 @@ def test_openai_client_matches_prefill(served) -> None:
     bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=model, prompt=FRANCE, max_tokens=1)
+
+
+def test_logprob_token_ids_replace_the_top_logprobs(api, core) -> None:
+    """vLLM's extension: with logprobs set, each position's top_logprobs lists the named tokens
+    (and the chosen one), with the logprobs /v1/prefill reports for them."""
+    ids = core.tokenizer.encode(FRANCE)
+    named = [core.tokenizer.encode(" London")[0], core.tokenizer.encode(" banana")[0]]
+    want = api.post("/v1/prefill", json={"input_ids": ids, "logprob_token_ids": named,
+                                         "prompt_logprobs": True}).json()["results"][0]
+    out = complete(api, prompt=ids, max_tokens=1, logprobs=1, echo=True,
+                   logprob_token_ids=named)
+    lp = out["choices"][0]["logprobs"]
+    text = core.tokenizer.token_text
+    last = lp["top_logprobs"][-1]
+    assert set(last) == {text(named[0]), text(named[1]), " Paris"}
+    for t in want["token_logprobs"]:
+        assert last[t["text"]] == pytest.approx(t["logprob"], abs=1e-5)
+    at3 = lp["top_logprobs"][3]  # echo: the prompt position predicting token 3
+    for t in want["prompt_logprobs"][3]["token_logprobs"]:
+        assert at3[t["text"]] == pytest.approx(t["logprob"], abs=1e-5)
+    r = api.post("/v1/completions", json={"model": MODEL, "prompt": FRANCE,
+                                          "logprob_token_ids": named})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids"

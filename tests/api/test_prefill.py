@@ -161,3 +161,40 @@ def test_small_bodies_are_tokenized_on_the_loop_large_ones_in_a_thread(api, monk
     big = prefill(api, prompt=padded)["results"][0]
     assert hops == ["prompt_ids"]
     assert big["prompt_tokens"] > small["prompt_tokens"]
+
+
+def test_named_token_logprobs_whatever_their_rank(api, core) -> None:
+    """`logprob_token_ids`: each named token's next-token logprob, in the order asked, equal to
+    log_softmax of the prompt's own last logits, also for tokens far outside the top 20; with
+    prompt_logprobs, at every prompt position too; sampling leaves them unchanged."""
+    ids = core.tokenizer.encode(FRANCE)
+    exact = torch.log_softmax(core.prefill_chunked(ids).float(), -1)
+    ranked = torch.argsort(exact, descending=True).tolist()
+    named = [ranked[0], ranked[500], ranked[-1], ranked[3]]  # top, mid, last, top-5
+    for extra in ({}, {"temperature": 1.0, "seed": 3}):
+        res = prefill(api, prompt=FRANCE, logprob_token_ids=named, **extra)["results"][0]
+        got = res["token_logprobs"]
+        assert [t["id"] for t in got] == named
+        for t in got:
+            assert t["logprob"] == pytest.approx(exact[t["id"]].item(), abs=1e-4)
+            assert t["text"] == core.tokenizer.token_text(t["id"])
+    assert prefill(api, prompt=FRANCE)["results"][0]["token_logprobs"] is None
+    res = prefill(api, prompt=FRANCE, prompt_logprobs=True, logprob_token_ids=named[:2])
+    plp = res["results"][0]["prompt_logprobs"]
+    assert plp[0]["token_logprobs"] is None
+    at2 = torch.log_softmax(core.prefill_chunked(ids[:2]).float(), -1)
+    assert [t["logprob"] for t in plp[2]["token_logprobs"]] == pytest.approx(
+        [at2[t].item() for t in named[:2]], abs=1e-4)
+
+
+@pytest.mark.parametrize("named, field, says", [
+    ([1, 49152], "logprob_token_ids[1]", "not a token id"),
+    ([-1], "logprob_token_ids[0]", "not a token id"),
+    ([], "logprob_token_ids", "at least 1"),
+    (list(range(257)), "logprob_token_ids", "at most 256"),
+])
+def test_bad_named_tokens_are_a_400_naming_the_field(api, named, field, says) -> None:
+    r = api.post("/v1/prefill", json={"prompt": FRANCE, "logprob_token_ids": named})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and says in err["message"], err
