@@ -87,6 +87,14 @@ def check_ids(state: AppState, prompts: list[list[int]], field: str,
     return prompts
 
 
+def named_ids(state: AppState, ids: list[int] | None) -> tuple[int, ...]:
+    """A request's logprob_token_ids, checked against the vocabulary."""
+    if not ids:
+        return ()
+    check_ids(state, [ids], "logprob_token_ids", single=True)
+    return tuple(ids)
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass

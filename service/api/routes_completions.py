@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from service.api.deps import State, json_response, require_api_key
 from service.api.errors import BadInput
-from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
+from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
 from service.api.schemas import (
     CompletionChoice,
     CompletionLogprobs,
@@ -114,13 +114,11 @@ async def completions(body: CompletionRequest, state: State,
     prompts, texts = await tokenized(state, request, body.model, prompt_inputs, state,
                                      body.prompt)
     want_lps = body.logprobs is not None
-    named = body.logprob_token_ids or []
-    if named:
-        check_ids(state, [named], "logprob_token_ids", single=True)
+    named = named_ids(state, body.logprob_token_ids)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=0 if named else body.logprobs or 0,
                             prompt_logprobs=want_lps and body.echo,
-                            logprob_token_ids=tuple(named))
+                            logprob_token_ids=named)
     results = await run_prompts(state, request, prompts, params)
     decode = state.tokenizer.decode
     choices = [to_choice(state, i, body, max_tokens, ids,

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from service.api.deps import State, json_response, require_api_key
-from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
+from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
 from service.api.schemas import (
     PrefillRequest,
     PrefillResponse,
@@ -63,13 +63,10 @@ def to_result(state: AppState, i: int, ids: list[int], res: PromptResult) -> Pre
 async def prefill(body: PrefillRequest, state: State, request: Request) -> Response:
     """Prefill each prompt and return its first token (greedy unless temperature > 0)."""
     prompts = await tokenized(state, request, body.model, prompt_ids, state, body)
-    named = body.logprob_token_ids or []
-    if named:
-        check_ids(state, [named], "logprob_token_ids", single=True)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             seed=body.seed, top_logprobs=body.top_logprobs,
                             prompt_logprobs=body.prompt_logprobs,
-                            logprob_token_ids=tuple(named))
+                            logprob_token_ids=named_ids(state, body.logprob_token_ids))
     results = await run_prompts(state, request, prompts, params)
     out = [to_result(state, i, ids, r) for i, (ids, r) in enumerate(zip(prompts, results))]
     state.metrics.count("ok")

@@ -32,7 +32,6 @@ class Prompt:
     def __init__(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                  on_done: OnDone, keys: list[bytes] | None = None):
         assert len(token_ids), "a request needs at least one token"
-        # NOTE: built here, off the engine thread; chunks are views of it
         self.ids = token_array(token_ids)
         self.num_tokens = len(self.ids)
         self.params = params

@@ -25,13 +25,11 @@ from service.engine.interface import (
     PromptResult,
     QueueFull,
 )
-from service.engine.pages import page_keys, pages_for
+from service.engine.pages import pages_for
 from service.engine.prefix_cache import PrefixCache
 from service.engine.prompt import NullObserver, Observer, Prompt
 
 log = logging.getLogger(__name__)
-
-
 
 InFlight = tuple[Batch, Any]  # a batch and its engine's Launched forward
 OnLoaded = Callable[[BaseException | None], None]
@@ -126,11 +124,6 @@ class Scheduler:
 
     def submit(self, reqs: list[Prompt]) -> None:
         """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
-        engine = self.engine
-        if engine is not None and self.prefix_cache_enabled:  # hashed here, off the engine thread
-            for r in reqs:
-                if r.keys is None:
-                    r.keys = page_keys(r.ids, engine.pool.page_size)
         with self._cv:
             if (err := self.admission_error(len(reqs))) is not None:
                 raise err
@@ -332,7 +325,8 @@ class Scheduler:
             for r, res, exc in finished:
                 self._release(r)
                 if not r.cancelled:
-                    r.cancelled = exc is not None  # a later chunk in flight is dropped
+                    if exc is not None:
+                        r.cancelled = True  # a later chunk in flight is dropped
                     self._post(r, res, exc)
             self._finish_rate.add(time.perf_counter(),
                                   sum(res is not None for _, res, _ in finished))
