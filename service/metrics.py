@@ -102,6 +102,14 @@ class Metrics:
         self.queue_wait = Histogram("prefill_queue_wait_seconds",
                                     "Arrival to admission, per prompt.", ["model_name"],
                                     buckets=_SECONDS, registry=r).labels(**m)
+        self.score_queries = Counter("prefill_score_queries", "/v1/score requests answered.",
+                                     ["model_name"], registry=r).labels(**m)
+        self.score_items = Counter("prefill_score_items", "Items scored by /v1/score.",
+                                   ["model_name"], registry=r).labels(**m)
+        self.score_shared_tokens = Counter(
+            "prefill_score_shared_tokens",
+            "Query tokens not prefilled again: prefilled once for all of a request's items.",
+            ["model_name"], registry=r).labels(**m)
         self.requests = {s: self._requests.labels(status=s, **m) for s in REQUEST_STATUSES}
         self.forwards = {f: forwards.labels(mode=f, **m) for f in FORWARD_MODES}
         self.forward_seconds = {f: forward_seconds.labels(mode=f, **m) for f in FORWARD_MODES}
@@ -126,6 +134,12 @@ class Metrics:
             self.ttft.observe(r.queue_s + r.prefill_s)  # arrival in the engine to first token
         self.prompt_tokens.inc(sum(r.prompt_tokens for r in results))
         self.cached_tokens.inc(sum(r.cached_tokens for r in results))
+
+    def on_score(self, items: int, shared: int) -> None:
+        """One /v1/score answer: `items` scored over a query of `shared` tokens prefilled once."""
+        self.score_queries.inc()
+        self.score_items.inc(items)
+        self.score_shared_tokens.inc(shared * (items - 1))
 
     content_type = CONTENT_TYPE_LATEST
 

@@ -15,6 +15,7 @@ from service.api import (
     routes_metrics,
     routes_models,
     routes_prefill,
+    routes_score,
 )
 from service.api.engine_client import EngineClient
 from service.api.middleware import BodyLimit, Guard
@@ -50,6 +51,6 @@ def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engin
                        on_reject=lambda: metrics.count("bad_request"))
     app.add_middleware(Guard, draining=lambda: state.draining, count=metrics.count)
     for module in (routes_health, routes_metrics, routes_models, routes_prefill,
-                   routes_completions):
+                   routes_completions, routes_score):
         app.include_router(module.router)
     return app

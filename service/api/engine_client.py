@@ -99,16 +99,23 @@ class EngineClient:
             return QueueFull(f"{queue} prompts queued, limit {self.max_queue}", retry_after_s)
         return None
 
-    def submit(self, prompts: Sequence[Sequence[int] | np.ndarray],
-               params: SamplingParams) -> tuple[int, asyncio.Future[list[PromptResult]]]:
+    def submit(self, prompts: Sequence[Sequence[int] | np.ndarray], params: SamplingParams,
+               shared: int = 0) -> tuple[int, asyncio.Future[list[PromptResult]]]:
+        """`shared` > 0: every prompt starts with the same `shared` tokens, prefilled once."""
         if self.state != "ready":
             raise NotReady(GONE if self.state == "dead" else f"engine is {self.state}")
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         ps = self.key_page_size
-        keys = [b"".join(page_keys(p, ps)) for p in prompts] if ps else []
-        self._send(m.Submit(self.worker, rid, [m.pack_ids(p) for p in prompts], params, keys))
+        if not ps:
+            keys = []
+        elif shared:  # only the shared query's pages are looked up and published
+            keys = [b"".join(page_keys(prompts[0][:shared], ps))] + [b""] * (len(prompts) - 1)
+        else:
+            keys = [b"".join(page_keys(p, ps)) for p in prompts]
+        self._send(m.Submit(self.worker, rid, [m.pack_ids(p) for p in prompts], params, keys,
+                            shared))
         return rid, fut
 
     def cancel(self, rid: int) -> None:

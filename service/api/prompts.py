@@ -87,11 +87,13 @@ def check_ids(state: AppState, prompts: list[list[int]], field: str,
     return prompts
 
 
-def named_ids(state: AppState, ids: list[int] | None) -> tuple[int, ...]:
-    """A request's logprob_token_ids, checked against the vocabulary."""
+def named_ids(state: AppState, ids: list[int] | None,
+              field: str = "logprob_token_ids") -> tuple[int, ...]:
+    """A request's named tokens (logprob_token_ids, label_token_ids), checked against the
+    vocabulary."""
     if not ids:
         return ()
-    check_ids(state, [ids], "logprob_token_ids", single=True)
+    check_ids(state, [ids], field, single=True)
     return tuple(ids)
 
 
@@ -101,10 +103,11 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def run_prompts(state: AppState, http: HTTPRequest, prompts: list[list[int]],
-                      params: SamplingParams) -> list[PromptResult]:
-    """Send all prompts as one engine request and await it; if the client goes, cancel it."""
+                      params: SamplingParams, shared: int = 0) -> list[PromptResult]:
+    """Send all prompts as one engine request and await it; if the client goes, cancel it.
+    `shared` > 0: the prompts' first `shared` tokens are the same, prefilled once."""
     require_ready(state)
-    rid, results = state.engine.submit(prompts, params)
+    rid, results = state.engine.submit(prompts, params, shared)
     state.active_requests += 1
     watcher = asyncio.ensure_future(_wait_disconnect(http.receive))
     try:

@@ -1,4 +1,5 @@
-"""Request and response bodies: the native /v1/prefill API and the OpenAI completions subset."""
+"""Request and response bodies: the native /v1/prefill API, the OpenAI completions subset and
+SGLang's /v1/score."""
 
 from __future__ import annotations
 
@@ -162,6 +163,39 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: CompletionUsage
+
+
+class ScoreRequest(BaseModel):
+    """SGLang's /v1/score: each item is scored as `query + item` (`item + query` with
+    item_first) by the next-token probabilities of the label tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    query: Text | TokenIds | None = Field(None, description=(
+        "Text, or token ids (then items are token ids too); empty: the items are whole prompts."))
+    items: Text | list[Text] | list[TokenIds] | None = None
+    label_token_ids: TokenIds | None = Field(
+        None, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+            "Tokens whose next-token probabilities make each item's scores, in this order."))
+    apply_softmax: bool = Field(False, description=(
+        "Normalise each item's scores over the labels; else each is the token's probability "
+        "under the full vocabulary."))
+    item_first: bool = False
+
+
+class ScoreUsage(BaseModel):
+    prompt_tokens: int  # of every query + item prompt, as if each were prefilled alone
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails  # cached: the query's KV reused, prefix cache
+
+
+class ScoreResponse(BaseModel):
+    scores: list[list[float]]  # per item, per label
+    model: str
+    usage: ScoreUsage
+    object: Literal["scoring"] = "scoring"
 
 
 class ModelCard(BaseModel):

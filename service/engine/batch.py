@@ -25,6 +25,7 @@ class SeqChunk:
     prefix_len: int
     pages: tuple[int, ...]  # pages covering prefix_len + len(ids) tokens
     all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
+    named: tuple[int, ...] = ()  # tokens whose logprobs at the last row the forward reduces
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ids, np.ndarray) and self.ids.dtype == np.int64):
@@ -43,8 +44,9 @@ class SeqChunk:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SeqChunk):
             return NotImplemented
-        return (self.prefix_len, self.pages, self.all_logits) == (
-            other.prefix_len, other.pages, other.all_logits) and np.array_equal(self.ids, other.ids)
+        return (self.prefix_len, self.pages, self.all_logits, self.named) == (
+            other.prefix_len, other.pages, other.all_logits, other.named
+        ) and np.array_equal(self.ids, other.ids)
 
 
 @dataclass(frozen=True)

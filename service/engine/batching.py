@@ -16,8 +16,8 @@ Batch = list[tuple[Prompt, SeqChunk]]
 def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache,
                budget: int, max_prompts: int, rows: int) -> Batch:
     """Up to `budget` tokens, `max_prompts` chunks and `rows` prompt-logprob rows. Admission is
-    FIFO and gives a prompt all its KV pages at once (cached full pages first), moving it from
-    `waiting` to `running`."""
+    FIFO and gives a prompt all its KV pages at once (cached full pages first, or its shared
+    query's), moving it from `waiting` to `running`."""
     ps = cache.page_size
     out: Batch = []
 
@@ -37,12 +37,26 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
         take(r)
     while waiting and len(out) < max_prompts and budget > 0:
         r = waiting[0]
+        base = r.base
+        if base is not None:
+            if base.cancelled:  # its query failed or was cancelled, which answered for it
+                waiting.popleft()
+                r.cancelled = True
+                base.item_over(cache.release)
+                continue
+            if base.done < base.num_tokens or any(p is base for p, _ in out):
+                break  # its query's KV is written by a forward launched before this one
         if r.params.prompt_logprobs and rows <= 0:
             break
-        if r.keys is None:
-            r.keys = page_keys(r.ids, ps) if cache.enabled else []
-        # prompt logprobs need every position's logits; the last token is always computed
-        reuse = [] if r.params.prompt_logprobs else cache.match(r.keys, (r.num_tokens - 1) // ps)
+        if base is not None:
+            reuse = base.group_pages[:r.shared // ps]
+            cache.hold(reuse)
+        else:
+            if r.keys is None:
+                r.keys = page_keys(r.ids, ps) if cache.enabled else []
+            # prompt logprobs need every position's logits; the last token is always computed
+            reuse = ([] if r.params.prompt_logprobs
+                     else cache.match(r.keys, (r.num_tokens - 1) // ps))
         need = pages_for(r.num_tokens, ps) - len(reuse)
         if need > cache.available_pages:
             cache.release(reuse)
@@ -50,6 +64,14 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
         waiting.popleft()
         r.pages = reuse + cache.alloc(need)
         r.cached = r.done = len(reuse) * ps
+        if base is not None:
+            if r.shared % ps:  # the query's part-filled last page: a copy of it is this one's
+                r.copy_tail = base.group_pages[len(reuse)], r.pages[len(reuse)]
+            r.cached = r.done = r.shared
+            base.item_over(cache.release)
+        elif r.items_waiting:
+            r.group_pages = list(r.pages)  # held for its prompts until the last is admitted
+            cache.hold(r.group_pages)
         r.admitted_at = time.perf_counter()
         running.append(r)
         take(r)

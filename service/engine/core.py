@@ -32,7 +32,7 @@ from service.engine.runners import Runner
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.runners.eager import EagerRunner
 from service.engine.runners.full import FullGraphRunner
-from service.engine.sampling import LastRow, summarize, unpack
+from service.engine.sampling import LastRow, named_rows, summarize, unpack
 from service.model.loader import LoadedModel, load
 
 log = logging.getLogger(__name__)
@@ -52,17 +52,22 @@ class ForwardOutput(NamedTuple):
 class Launched:
     """A queued forward; its logits are its own, so the next may launch before its `wait()`."""
 
-    __slots__ = ("logits", "summary", "mode", "t0")
+    __slots__ = ("logits", "summary", "named", "mode", "t0")
 
     def __init__(self, logits: list[torch.Tensor], summary: HostCopy | None, mode: str,
-                 t0: float):
+                 t0: float, named: tuple[list[int], HostCopy] | None = None):
         self.logits, self.summary, self.mode, self.t0 = logits, summary, mode, t0
+        self.named = named  # (chunks that name tokens, their logprobs on the way to the host)
 
     def ready(self) -> bool:
         return self.summary is None or self.summary.ready()
 
     def wait(self) -> ForwardOutput:
         last = unpack(self.summary.get()) if self.summary is not None else []
+        if self.named is not None:
+            chunks, copy = self.named
+            for i, vals in zip(chunks, copy.get().tolist()):
+                last[i].named = vals
         return ForwardOutput(self.logits, last, self.mode, time.perf_counter() - self.t0)
 
 
@@ -218,7 +223,17 @@ class EngineCore:
         summary = batch.summary
         if summary is None and batch.logits_rows:
             summary = HostCopy(summarize(logits.index_select(0, batch.last_rows)))
-        return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0)
+        named = None
+        if asking := [i for i, c in enumerate(chunks) if c.named]:
+            rows = [batch.logits_rows[i][1] - 1 for i in asking]
+            named = asking, HostCopy(named_rows(logits, rows, [chunks[i].named for i in asking]))
+        return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0, named)
+
+    @torch.inference_mode()
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """KV page src[i] -> dst[i], queued after the forwards launched so far and before the
+        next (the runners' stream waits for the caller's)."""
+        self.pool.copy_pages(src, dst)
 
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
         return self.launch(chunks).wait()

@@ -52,14 +52,21 @@ class KVPool:
                  device: torch.device | str):
         num_pages = pages_for(num_tokens, page_size) + 1  # + the dummy page
         slots = num_pages * page_size
-        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        self.cache = KVCache(
-            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-            page_size=page_size,
-        )
+        # one allocation, so a page copies across every layer in one launch (copy_pages)
+        self.data = torch.zeros((2, cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim),
+                                dtype=dtype, device=device)
+        self.cache = KVCache(k=list(self.data[0].unbind(0)), v=list(self.data[1].unbind(0)),
+                             page_size=page_size)
         self.allocator = PageAllocator(num_pages)
         self.page_size = page_size
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """KV of page src[i] -> page dst[i] in every layer, on the current stream."""
+        ps = self.page_size
+        offs = torch.arange(ps, dtype=torch.int64)
+        s, d = ((torch.tensor(p, dtype=torch.int64)[:, None] * ps + offs).ravel().to(
+            self.data.device) for p in (src, dst))
+        self.data.index_copy_(2, d, self.data.index_select(2, s))
 
     @property
     def capacity_tokens(self) -> int:

@@ -33,6 +33,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     prompts: list[bytes]  # int32 token ids, one buffer per prompt
     params: SamplingParams
     keys: list[bytes] = []  # per prompt, its prefix-cache page keys joined; [] = none sent
+    shared: int = 0  # leading tokens all prompts share: prefilled once, read by each
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):

@@ -1,6 +1,7 @@
 """Page-granular prefix cache: full KV pages keyed by a hash chain of their token ids.
 
-Pages are refcounted; cached ones at refcount 0 stay, evictable in LRU order; engine thread only."""
+Pages are refcounted; cached ones at refcount 0 stay, evictable in LRU order. A private page
+held by more than one prompt (a shared query's) is freed by its last holder. Engine thread only."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}  # cached page -> key
         self._refs: dict[int, int] = {}  # cached page -> requests holding it
         self._lru: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached pages, oldest first
+        self._extra: dict[int, int] = {}  # private page -> holders beyond its first
 
     @property
     def available_pages(self) -> int:
@@ -45,6 +47,15 @@ class PrefixCache:
             self._lru.pop(page, None)
         return pages
 
+    def hold(self, pages: list[int]) -> None:
+        """One more holder of pages someone already holds; release() gives back."""
+        refs, extra = self._refs, self._extra
+        for page in pages:
+            if page in refs:
+                refs[page] += 1
+            else:
+                extra[page] = extra.get(page, 0) + 1
+
     def alloc(self, n: int) -> list[int]:
         short = n - self.allocator.num_free
         if short > 0:
@@ -70,11 +81,12 @@ class PrefixCache:
         for key, page in zip(keys[:written_tokens // self.page_size], pages):
             # not if already published, or the same tokens are cached in another page
             if page not in key_of and key not in page_of:
-                page_of[key], key_of[page], refs[page] = page, key, 1
+                page_of[key], key_of[page] = page, key
+                refs[page] = 1 + self._extra.pop(page, 0)
 
     def release(self, pages: list[int]) -> None:
         """A request lets go of its pages: cached ones may become evictable, private ones free."""
-        private, key_of, refs, lru = [], self._key_of, self._refs, self._lru
+        private, key_of, refs, lru, extra = [], self._key_of, self._refs, self._lru, self._extra
         # NOTE: last page first into the LRU: evicting a first page would strand the later ones
         for page in reversed(pages):
             if page in key_of:
@@ -82,6 +94,10 @@ class PrefixCache:
                 assert refs[page] >= 0, f"page {page} released more often than held"
                 if refs[page] == 0:
                     lru[page] = None
+            elif page in extra:
+                extra[page] -= 1
+                if extra[page] == 0:
+                    del extra[page]
             else:
                 private.append(page)
         self.allocator.free(private)

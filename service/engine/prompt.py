@@ -1,4 +1,5 @@
-"""What the scheduler queues: a Prompt with its completion callback; the observer hooks."""
+"""What the scheduler queues: a Prompt with its completion callback, prompts that share a query's
+KV (`shared_query`), and the observer hooks."""
 
 from __future__ import annotations
 
@@ -44,13 +45,29 @@ class Prompt:
         self.keys = keys  # prefix-cache keys of the full pages (None: not computed yet)
         self.prompt_lps: list[PositionLogprobs] = []
         self.cancelled = False
+        # A prompt reading a shared query's KV: the query, and the tokens it shares
+        self.base: Prompt | None = None
+        self.shared = 0
+        self.copy_tail: tuple[int, int] | None = None  # (query page, own page) to copy first
+        # A shared query: its prompts not yet admitted, and the pages it keeps for them
+        self.items_waiting = 0
+        self.group_pages: list[int] = []
 
     def next_chunk(self, n: int, page_size: int) -> SeqChunk:
         """The next `n` tokens as a chunk; they count as done from here on."""
         start, end = self.done, self.done + n
         self.done = end
+        named = self.params.logprob_token_ids if end == self.num_tokens else ()
         return SeqChunk(self.ids[start:end], start, tuple(self.pages[:pages_for(end, page_size)]),
-                        self.params.prompt_logprobs)
+                        self.params.prompt_logprobs, named)
+
+    def item_over(self, release: Callable[[list[int]], None]) -> None:
+        """On a shared query: one of its prompts was admitted or dropped; after the last, the
+        query's pages are the admitted prompts' alone."""
+        self.items_waiting -= 1
+        if self.items_waiting == 0 and self.group_pages:
+            release(self.group_pages)
+            self.group_pages = []
 
     def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow
                ) -> PromptResult | None:
@@ -69,6 +86,32 @@ class Prompt:
         return PromptResult(self.num_tokens, self.cached, first,
                             self.prompt_lps if self.params.prompt_logprobs else None,
                             self.admitted_at - self.arrival, now - self.admitted_at)
+
+
+def shared_query(prompts: Sequence[np.ndarray], shared: int, params: SamplingParams,
+                 on_done: Sequence[OnDone], on_query_done: OnDone,
+                 query_keys: list[bytes] | None = None) -> list[Prompt]:
+    """[query, *prompts]: the query (the prompts' first `shared` tokens, which they all hold) is
+    prefilled once, and each prompt then reads its KV through its page table. The query's own
+    result means nothing to the client; its failure, `on_query_done(None, error)`, answers for
+    every prompt (which are then dropped)."""
+    assert len(prompts) and 0 < shared < min(map(len, prompts)), "share a proper prefix"
+    query = Prompt(prompts[0][:shared], SamplingParams(), on_query_done, query_keys)
+    items = [Prompt(ids, params, cb, []) for ids, cb in zip(prompts, on_done)]
+    for it in items:
+        it.base, it.shared = query, shared
+    query.items_waiting = len(items)
+    return [query, *items]
+
+
+def common_prefix(prompts: Sequence[np.ndarray]) -> int:
+    """Tokens every prompt starts with."""
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for p in prompts[1:]:
+        diff = np.flatnonzero(p[:n] != first[:n])
+        n = int(diff[0]) if len(diff) else n
+    return n
 
 
 class NullObserver:

@@ -25,12 +25,14 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class LastRow:
-    """A chunk's last row: its greedy token, and its top-k logprobs built only when asked for."""
+    """A chunk's last row: its greedy token, its top-k logprobs built only when asked for, and
+    the logprobs of the chunk's named tokens when the forward reduced them."""
 
-    __slots__ = ("greedy", "_row", "_k")
+    __slots__ = ("greedy", "_row", "_k", "named")
 
     def __init__(self, greedy: TokenLogprob, row: list[float], k: int):
         self.greedy, self._row, self._k = greedy, row, k  # row: ids at [2, 2+k), values after
+        self.named: list[float] | None = None  # in SeqChunk.named's order
 
     def top_n(self, n: int) -> list[TokenLogprob]:
         n, r, k = min(n, self._k), self._row, self._k
@@ -100,12 +102,31 @@ def named_logprobs(logits: torch.Tensor, ids: tuple[int, ...]) -> list[list[Toke
     return [[TokenLogprob(t, v) for t, v in zip(ids, r)] for r in rows]
 
 
+def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
+               ) -> torch.Tensor:
+    """(len(rows), longest ids) fp32: the logprobs of `ids[i]` under logits row `rows[i]`, one
+    batched reduction on the logits' device (short lists padded with token 0)."""
+    width = max(map(len, ids))
+    dev = logits.device
+    idx = torch.tensor([list(t) + [0] * (width - len(t)) for t in ids], dtype=torch.int64,
+                       device=dev)
+    sel = torch.tensor(rows, dtype=torch.int64, device=dev)
+    return torch.cat([log_softmax(logits.index_select(0, sel[lo:lo + PROMPT_ROWS_PER_STEP]))
+                      .gather(-1, idx[lo:lo + PROMPT_ROWS_PER_STEP])
+                      for lo in range(0, len(rows), PROMPT_ROWS_PER_STEP)])
+
+
 def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> PositionLogprobs:
     """The first token from the last (V,) logits `row`; greedy reads only the summary (and the
-    named tokens' logprobs, when asked, from `row` on its device)."""
+    named tokens' logprobs: the forward's, else reduced from `row` on its device)."""
     top = last.top_n(params.top_logprobs)
-    named = named_logprobs(row[None], params.logprob_token_ids)[0] if (
-        params.logprob_token_ids) else None
+    ids = params.logprob_token_ids
+    if not ids:
+        named = None
+    elif last.named is not None:
+        named = [TokenLogprob(t, v) for t, v in zip(ids, last.named)]
+    else:
+        named = named_logprobs(row[None], ids)[0]
     if params.greedy:
         return PositionLogprobs(last.greedy, top, named)
     x = row.cpu()

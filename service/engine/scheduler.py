@@ -60,6 +60,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Prompt] = deque()
         self._running: list[Prompt] = []
+        self._dropped: list[Prompt] = []  # cancelled while waiting for a shared query's KV
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.engine: Any = None
@@ -125,14 +126,17 @@ class Scheduler:
     def submit(self, reqs: list[Prompt]) -> None:
         """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
         with self._cv:
-            if (err := self.admission_error(len(reqs))) is not None:
+            # a shared query is no prompt of the client's: it does not count against the queue
+            if (err := self.admission_error(sum(not r.items_waiting for r in reqs))) is not None:
                 raise err
             alloc, ps = self.engine.pool.allocator, self.engine.pool.page_size
             for r in reqs:
-                if pages_for(r.num_tokens, ps) > alloc.capacity:
+                # + the shared query's page it copies, held with it
+                need = pages_for(r.num_tokens, ps) + (r.shared % ps > 0)
+                if need > alloc.capacity:
                     raise KVPoolExhausted(
-                        f"a prompt of {r.num_tokens} tokens needs {pages_for(r.num_tokens, ps)} "
-                        f"KV pages; the pool has {alloc.capacity} ({alloc.capacity * ps} tokens)")
+                        f"a prompt of {r.num_tokens} tokens needs {need} KV pages; the pool "
+                        f"has {alloc.capacity} ({alloc.capacity * ps} tokens)")
             self._waiting.extend(reqs)
             self._queue_changed()
             self._cv.notify()
@@ -143,6 +147,8 @@ class Scheduler:
             req.cancelled = True
             if req in self._waiting:
                 self._waiting.remove(req)
+                if req.base is not None:
+                    self._dropped.append(req)  # its query's pages: on the engine thread
                 self._queue_changed()
             self._cv.notify()
 
@@ -260,6 +266,9 @@ class Scheduler:
                     return None
                 for r in [r for r in self._running if r.cancelled]:
                     self._release(r)
+                for r in self._dropped:
+                    r.base.item_over(self.cache.release)
+                self._dropped.clear()
                 batch = self._form_batch()
                 if batch or not block:
                     return batch
@@ -279,6 +288,11 @@ class Scheduler:
     def _launch(self, batch: Batch) -> InFlight | None:
         self.launching_since = time.monotonic()
         try:
+            if copies := [r for r, _ in batch if r.copy_tail is not None]:
+                src, dst = zip(*(r.copy_tail for r in copies))
+                self.engine.copy_pages(list(src), list(dst))
+                for r in copies:
+                    r.copy_tail = None
             return batch, self.engine.launch([c for _, c in batch])
         except Exception as e:  # noqa: BLE001 - fail this batch only, keep serving
             self._fail_batch(batch, e)

@@ -18,7 +18,7 @@ from service.engine import messages as m
 from service.engine.board import QueueBoard
 from service.engine.interface import KVPoolExhausted, NotReady, PromptResult, QueueFull
 from service.engine.pages import split_keys
-from service.engine.prompt import Prompt
+from service.engine.prompt import Prompt, common_prefix, shared_query
 from service.engine.scheduler import Scheduler
 from service.process import exit_now, freeze_heap, setup_child
 
@@ -55,7 +55,10 @@ class Request:
         self.left = n
 
     def done(self, i: int, result: PromptResult | None, exc: BaseException | None) -> None:
-        """Prompt i's OnDone (bound with functools.partial)."""
+        """Prompt i's OnDone (bound with functools.partial); i < 0: a shared query's, which
+        reports only a failure."""
+        if i < 0 and exc is None:
+            return
         if exc is not None:
             self.server.finish(self, None, exc)
             return
@@ -122,8 +125,22 @@ class EngineServer:
         req = Request(self, key, len(msg.prompts))
         keys = ([split_keys(k) for k in msg.keys] if len(msg.keys) == len(msg.prompts)
                 else [None] * len(msg.prompts))
-        req.prompts = [Prompt(m.unpack_ids(ids), msg.params, partial(req.done, i), k)
-                       for i, (ids, k) in enumerate(zip(msg.prompts, keys))]
+        ids = [m.unpack_ids(p) for p in msg.prompts]
+        done = [partial(req.done, i) for i in range(len(ids))]
+        shared = msg.shared
+        if shared and (len(ids) < 2 or not 0 < shared < min(map(len, ids))
+                       or common_prefix(ids) < shared):
+            log.warning("a Submit's shared prefix of %d tokens is not shared; prefilled apart",
+                        shared)
+            shared = 0
+        if shared:
+            info = self.scheduler.info
+            qkeys = (keys[0][:shared // info.page_size]
+                     if info is not None and keys[0] is not None else None)
+            req.prompts = shared_query(ids, shared, msg.params, done, partial(req.done, -1),
+                                       qkeys)
+        else:
+            req.prompts = [Prompt(p, msg.params, d, k) for p, d, k in zip(ids, done, keys)]
         self.requests[key] = req
         try:
             self.scheduler.submit(req.prompts)

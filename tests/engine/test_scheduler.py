@@ -43,6 +43,7 @@ class FakeEngine:
         self.pool = FakePool(pages, page_size)
         self.max_batch_tokens = budget
         self.calls: list[list] = []
+        self.copies: list[tuple[int, list[int], list[int]]] = []
         self.permits = threading.Semaphore(0)
         self.free_run = True
         self.fail_token: int | None = None
@@ -65,6 +66,9 @@ class FakeEngine:
     def launch(self, chunks):
         out = self.forward(chunks)
         return SimpleNamespace(wait=lambda: out, ready=lambda: True)
+
+    def copy_pages(self, src, dst):
+        self.copies.append((len(self.calls), list(src), list(dst)))  # before forward n
 
     def info(self) -> EngineInfo:
         pool = self.pool

@@ -1,0 +1,89 @@
+"""POST /v1/score: SGLang's scoring API. Every item is scored as query + item by the next-token
+probabilities of the label tokens; the items' shared query is prefilled once for all of them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from service.api.deps import State, json_response, require_api_key
+from service.api.errors import BadInput
+from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
+from service.api.schemas import PromptTokensDetails, ScoreRequest, ScoreResponse, ScoreUsage
+from service.api.state import AppState
+from service.engine.interface import SamplingParams
+from service.engine.prompt import common_prefix
+
+router = APIRouter(prefix="/v1", tags=["score"], dependencies=[Depends(require_api_key)])
+
+
+def score_prompts(state: AppState, body: ScoreRequest) -> list[list[int]]:
+    """Token ids of every query + item (item + query) prompt, checked."""
+    query, items = body.query, body.items
+    if query is None:
+        raise BadInput("query is required (text or token ids; empty for whole-prompt items)",
+                       "query")
+    if items is None or (isinstance(items, list) and not items):
+        raise BadInput("items is required: a text, a list of texts or a list of token-id lists",
+                       "items")
+    if not body.label_token_ids:
+        raise BadInput("label_token_ids is required: the tokens whose probabilities score each "
+                       "item", "label_token_ids")
+    items = [items] if isinstance(items, str) else items
+    first = body.item_first
+    if isinstance(query, str):
+        if not all(isinstance(it, str) for it in items):
+            raise BadInput("items must be texts when query is a text", "items")
+        if query:
+            encode_texts(state, [query], "query", single=True)  # an over-long query is named
+        return encode_texts(state, [it + query if first else query + it for it in items],
+                            "items", single=False)
+    if not all(isinstance(it, list) for it in items):
+        raise BadInput("items must be token-id lists when query is token ids", "items")
+    if query:
+        check_ids(state, [query], "query", single=True)
+    return check_ids(state, [it + query if first else query + it for it in items],  # type: ignore[operator]
+                     "items", single=False)
+
+
+def shared_tokens(state: AppState, prompts: list[list[int]]) -> int:
+    """The leading tokens every prompt shares, when prefilling them once pays: at least a full
+    KV page, and every prompt keeps a token of its own."""
+    if len(prompts) < 2:
+        return 0
+    arrays = [np.asarray(p, dtype=np.int32) for p in prompts]
+    shared = min(common_prefix(arrays), min(map(len, arrays)) - 1)
+    return shared if shared >= state.engine.info.page_size else 0
+
+
+def scores(logprobs: list[float], softmax: bool) -> list[float]:
+    """SGLang's scores: a softmax over the labels, or each label's probability."""
+    if not softmax:
+        return [math.exp(x) for x in logprobs]
+    top = max(logprobs)
+    e = [math.exp(x - top) for x in logprobs]
+    total = sum(e)
+    return [x / total for x in e]
+
+
+@router.post("/score", response_model=ScoreResponse)
+async def score(body: ScoreRequest, state: State, request: Request) -> Response:
+    """Score each item against the query by the label tokens' next-token probabilities."""
+    prompts = await tokenized(state, request, body.model, score_prompts, state, body)
+    labels = named_ids(state, body.label_token_ids, "label_token_ids")
+    shared = shared_tokens(state, prompts)
+    results = await run_prompts(state, request, prompts,
+                                SamplingParams(logprob_token_ids=labels), shared)
+    out = [scores([t.logprob for t in r.next.named or ()], body.apply_softmax)
+           for r in results]
+    state.metrics.on_score(len(prompts), shared)
+    state.metrics.count("ok")
+    tokens = sum(r.prompt_tokens for r in results)
+    return json_response(ScoreResponse(
+        scores=out, model=state.model_name,
+        usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(r.cached_tokens for r in results)))))

@@ -1,0 +1,174 @@
+"""Prompts over a shared query: the query is prefilled once, each prompt reads its KV through
+its page table, and every prompt answers as if prefilled alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from service.engine.core import EngineCore
+from service.engine.interface import SamplingParams
+from service.engine.prompt import common_prefix, shared_query
+from service.engine.scheduler import Scheduler
+from tests.engine.helpers import PAGE, engine_cfg, prompts, tiny_loaded
+from tests.engine.test_scheduler import FakeEngine, run, start, started, until
+
+LABELS = (3, 50, 96, 0)
+
+
+def group(ids: list[list[int]], shared: int, params: SamplingParams):
+    """shared_query's prompts, with futures for the items' results and the query's failure."""
+    loop = asyncio.get_running_loop()
+
+    def callback():
+        fut = loop.create_future()
+
+        def on_done(result, exc) -> None:
+            def settle() -> None:
+                if not fut.done():
+                    fut.set_exception(exc) if exc else fut.set_result(result)
+            loop.call_soon_threadsafe(settle)
+        return fut, on_done
+
+    items = [callback() for _ in ids]
+    query = callback()
+    ps = shared_query([np.asarray(i, dtype=np.int64) for i in ids], shared, params,
+                      [cb for _, cb in items], query[1])
+    return ps, [f for f, _ in items], query[0]
+
+
+class Recording:
+    """The real core, with the token count of every forward it launched."""
+
+    def __init__(self, core: EngineCore):
+        self.core, self.tokens = core, []
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def launch(self, chunks):
+        self.tokens.append(sum(c.num_tokens for c in chunks))
+        return self.core.launch(chunks)
+
+
+@pytest.mark.parametrize("query_len", [90, 88])  # a part-filled last page, and none
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_items_score_as_if_prefilled_alone(query_len: int, prefix_cache: bool) -> None:
+    core = EngineCore(engine_cfg(max_prefill_tokens=64), loaded=tiny_loaded())
+    vocab = core.model_cfg.vocab_size
+    lengths = [3, 1, 7, 12, 5, 2, 9, 4, 6, 8]
+    query, *items = prompts(vocab, [query_len, *lengths], seed=3)
+    full = [query + it for it in items]
+    rec = Recording(core)
+
+    async def main():
+        s = Scheduler(lambda: rec, max_queue=64, max_batch_prompts=4, prefix_cache=prefix_cache)
+        await start(s)
+        ps, futs, qfut = group(full, query_len, SamplingParams(logprob_token_ids=LABELS))
+        s.submit(ps)
+        out = await asyncio.gather(*futs)
+        assert (await qfut).prompt_tokens == query_len
+        assert s.kv_used_tokens == 0, "pages held after every item finished"
+        s.stop()
+        return out
+
+    out = run(main())
+    assert core.pool.used_tokens == 0
+    # the query once (in two chunks: the budget is 64), then the items' own tokens
+    assert sum(rec.tokens) == query_len + sum(lengths)
+    assert len(rec.tokens) >= 2 + len(items) // 4
+    for ids, res in zip(full, out):
+        ref = torch.log_softmax(core.prefill_chunked(ids).float(), -1)
+        assert res.prompt_tokens == len(ids) and res.cached_tokens == query_len
+        assert res.next.token.id == int(ref.argmax())
+        got = [t.logprob for t in res.next.named]
+        assert [t.id for t in res.next.named] == list(LABELS)
+        torch.testing.assert_close(torch.tensor(got), ref[list(LABELS)], atol=1e-4, rtol=0)
+
+
+def test_items_wait_for_the_query_and_its_pages() -> None:
+    """A pool too small for every item at once: items are admitted as pages free up, each
+    after the forward that writes the query, with the query's part-filled page copied."""
+    async def main():
+        eng = FakeEngine(pages=10, page_size=4, budget=64)
+        s = await started(eng, max_batch_prompts=2)
+        query = list(range(1, 15))  # 14 tokens: 3 full pages + 2 tokens
+        full = [query + [20 + i, 30 + i, 40 + i] for i in range(6)]  # 17 tokens: 5 pages
+        ps, futs, _ = group(full, 14, SamplingParams())
+        s.submit(ps)
+        out = await asyncio.gather(*futs)
+        assert [o.next.token.id for o in out] == [41 + i for i in range(6)]
+        qchunk = eng.calls[0][0]
+        assert qchunk.token_ids == tuple(query) and len(eng.calls[0]) == 1
+        for call in eng.calls[1:]:
+            for c in call:
+                assert c.prefix_len == 14 and c.num_tokens == 3
+                assert c.pages[:3] == qchunk.pages[:3]
+        for n, call in enumerate(eng.calls[1:], 1):
+            # each item's own copy of the query's page 4, made just before its forward
+            made = {d: s for at, src, dst in eng.copies if at == n for s, d in zip(src, dst)}
+            assert {made.get(c.pages[3]) for c in call} == {qchunk.pages[3]}
+        assert s.kv_used_tokens == 0
+        s.stop()
+        assert eng.pool.used_tokens == 0
+
+    run(main())
+
+
+def test_cancel_mid_group_frees_every_page() -> None:
+    async def main():
+        eng = FakeEngine(pages=16, page_size=4, budget=64)
+        eng.free_run = False
+        s = await started(eng, max_batch_prompts=2)
+        query = list(range(1, 11))
+        ps, futs, _ = group([query + [50 + i] for i in range(5)], 10, SamplingParams())
+        s.submit(ps)
+        await until(lambda: len(eng.calls) == 1, "the query's forward")
+        eng.permits.release()
+        await until(lambda: len(eng.calls) == 2, "the first items' forward")
+        for p in ps:
+            s.cancel(p)
+        for _ in range(3):
+            eng.permits.release()
+        await until(lambda: s.running == 0 and s.queue_depth == 0, "the group gone")
+        await until(lambda: s.kv_used_tokens == 0, "the query's pages freed")
+        assert not any(f.done() for f in futs)
+        s.stop()
+        assert eng.pool.used_tokens == 0
+
+    run(main())
+
+
+def test_a_failed_query_answers_for_its_items() -> None:
+    async def main():
+        eng = FakeEngine(pages=16, page_size=4, budget=64)
+        eng.fail_token = 7
+        s = await started(eng)
+        ps, futs, qfut = group([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(3)], 9,
+                               SamplingParams())
+        s.submit(ps)
+        with pytest.raises(Exception, match="forward failed"):
+            await qfut
+        eng.fail_token = None
+        after = [1, 2]  # the engine goes on: the items are dropped, their pages free
+        from tests.engine.test_scheduler import req
+        r = req(after)
+        s.submit([r])
+        await r.future
+        assert not any(f.done() for f in futs)
+        assert s.kv_used_tokens == 0 and s.queue_depth == 0
+        s.stop()
+        assert eng.pool.used_tokens == 0
+
+    run(main())
+
+
+def test_common_prefix() -> None:
+    a = np.array([1, 2, 3, 4, 5])
+    assert common_prefix([a, np.array([1, 2, 3, 9]), np.array([1, 2, 3, 4, 5, 6])]) == 3
+    assert common_prefix([a, a[:2]]) == 2
+    assert common_prefix([a, np.array([7])]) == 0
+    assert PAGE == 4
