@@ -43,6 +43,10 @@ step fold_tests "${T_FOLD:-90}" python3 -m pytest -v -p no:cacheprovider \
   tests/kernels/test_kernels_gpu.py -k "rope or silu or linear or asserts or pick or opcheck or graph_capture"
 step full_tests "${T_FULL:-150}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
   tests/engine/test_full_graph_gpu.py tests/engine/test_graph_gpu.py -k "not nccl"
+step score_tests "${T_ST:-200}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
+  tests/engine/test_shared_query.py tests/engine/test_full_graph_gpu.py \
+  tests/engine/test_graph_gpu.py -k "not nccl"
+step score "${T_SCORE:-420}" env OUT="$R" python3 bench/score.py ${SCORE_ARGS:-}
 step bound "${T_BOUND:-300}" env OUT="$R" python3 bench/bound.py ${BOUND_ARGS:-}
 step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"
 step kernel_tests "${T_KT:-120}" python3 -m pytest -v -m gpu -p no:cacheprovider \

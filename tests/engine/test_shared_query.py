@@ -172,3 +172,63 @@ def test_common_prefix() -> None:
     assert common_prefix([a, a[:2]]) == 2
     assert common_prefix([a, np.array([7])]) == 0
     assert PAGE == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_query_on_the_gpu_equals_single_prompts() -> None:
+    """Through full graphs, breakable graphs and a query split over forwards (bf16): every
+    item's label logprobs and first token equal those of its prompt prefilled alone."""
+    import threading
+
+    from service.engine.batch import SeqChunk
+    from service.engine.pages import pages_for
+    from service.model.config import preset
+    from service.model.loader import LoadedModel, random_model
+
+    cfg = preset("smollm2-135m", num_layers=4)
+    loaded = LoadedModel(random_model(cfg, "cuda", torch.bfloat16, seed=5), None, cfg,
+                         "random", 0.0)
+    core = EngineCore(engine_cfg(device="cuda", dtype="bfloat16", mem_fraction_static=0.3,
+                                 max_prefill_tokens=2048, cuda_graph_max_tokens=2048,
+                                 page_size=16, max_batch_prompts=64), loaded=loaded)
+    labels = tuple(range(100, 116))
+    params = SamplingParams(logprob_token_ids=labels)
+    sched = Scheduler(lambda: core, max_queue=1000, max_batch_prompts=64)
+    ready = threading.Event()
+    sched.start(lambda exc: ready.set())
+    assert ready.wait(120) and sched.state == "ready"
+    # (query, items, item tokens): full graphs with a copied page; breakable; a split query
+    cases = [(37, 6, 5), (1000, 64, 20), (3001, 20, 9)]
+    groups = []
+    for q, n, length in cases:
+        query, *items = prompts(cfg.vocab_size, [q] + [length] * n, seed=q)
+        full = [np.asarray(query + it) for it in items]
+        out: dict[int, object] = {}
+        done = threading.Event()
+
+        def on(i, res, exc, out=out, done=done, n=n):
+            out[i] = exc or res
+            if len(out) == n or exc is not None:
+                done.set()
+        ps = shared_query(full, q, params, [lambda r, e, i=i: on(i, r, e) for i in range(n)],
+                          lambda r, e: e and on(-1, None, e))
+        sched.submit(ps)
+        groups.append((full, out, done))
+    for _, out, done in groups:
+        assert done.wait(120) and -1 not in out, out.get(-1)
+    assert core.runs["full"] and core.runs["breakable"]
+    for full, out, _ in groups:
+        for i, ids in enumerate(full):
+            pages = core.pool.allocator.alloc(pages_for(len(ids), 16))
+            alone = core.forward([SeqChunk(ids, 0, pages, named=labels)]).last[0]
+            core.pool.allocator.free(pages)
+            got = out[i]
+            # bf16 sums differ with the batch: values within bf16 noise, near-ties may swap
+            torch.testing.assert_close(torch.tensor([t.logprob for t in got.next.named]),
+                                       torch.tensor(alone.named), atol=0.05, rtol=0)
+            assert got.next.token.id == alone.greedy.id or abs(
+                got.next.token.logprob - alone.greedy.logprob) < 0.05
+    assert sched.kv_used_tokens == 0
+    sched.stop(10.0)
+    torch.cuda.empty_cache()

@@ -1,0 +1,222 @@
+"""Scoring many items over one query (/v1/score's engine path) against one prompt per item.
+
+The engine loop (Scheduler + EngineCore, the service's defaults) on one GPU, random weights of a
+real shape. Each request is a fresh random query of Q tokens and N items of L tokens; requests
+run one after another, each until all its items are answered:
+  shared        one request: the query prefilled once, the items over its KV (2 labels)
+  shared-0/16   the same with no label tokens / 16 (the labels' cost)
+  per-item      N prompts of Q + L tokens, prefix cache off
+  per-item-pc   the same with the prefix cache on (pages published by a finished forward are
+                reused by the items admitted after it)
+  bound         the unique tokens as plain prompts: the query once and N prompts of L tokens,
+                prefix cache off, nothing shared; the engine's time for these tokens
+items/s = N / median request time; "of bound" = shared items/s / bound items/s.
+
+Usage: python bench/score.py [--models smollm2-135m,llama-3.2-1b] [--min-s 0.4]
+       [--workloads 1024:64:20,...] [--device cpu]  (a CPU run: a smoke test of the script)
+Writes score.json / score.md / score.png to $OUT (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from service.config import EngineConfig  # noqa: E402
+from service.engine.core import EngineCore  # noqa: E402
+from service.engine.interface import SamplingParams  # noqa: E402
+from service.engine.prompt import Prompt, shared_query  # noqa: E402
+from service.engine.scheduler import Scheduler  # noqa: E402
+from service.model.config import preset  # noqa: E402
+from service.model.loader import LoadedModel, random_model  # noqa: E402
+
+MODELS = ["smollm2-135m", "llama-3.2-1b"]
+# (query tokens, items, item tokens): the target workload, then one axis varied at a time
+WORKLOADS = [(1024, 64, 20), (256, 64, 20), (4096, 64, 20), (1024, 8, 20), (1024, 256, 20),
+             (1024, 64, 4), (1024, 64, 64)]
+MODES = ["shared", "shared-0", "shared-16", "per-item", "per-item-pc", "bound"]
+
+
+class Kept:
+    """The core for one Scheduler after another: their close() leaves it open."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def close(self) -> None:
+        pass
+
+
+def started(core: EngineCore, prefix_cache: bool) -> Scheduler:
+    s = Scheduler(lambda: Kept(core), max_queue=4096, max_batch_prompts=256,
+                  prefix_cache=prefix_cache)
+    ev = threading.Event()
+    s.start(lambda exc: ev.set())
+    assert ev.wait(60) and s.state == "ready", s.error
+    return s
+
+
+def request(rng: np.random.Generator, vocab: int, q: int, n: int, length: int):
+    return (rng.integers(0, vocab, q, dtype=np.int64),
+            [rng.integers(0, vocab, length, dtype=np.int64) for _ in range(n)])
+
+
+def run_request(s: Scheduler, mode: str, query: np.ndarray, items: list[np.ndarray],
+                labels: tuple[int, ...]) -> float:
+    """Seconds from submit until every item is answered."""
+    n = len(items)
+    done, left, errors = threading.Event(), [n], []
+
+    def on_done(res, exc) -> None:
+        if exc is not None:
+            errors.append(exc)
+            done.set()
+            return
+        left[0] -= 1
+        if left[0] == 0:
+            done.set()
+
+    def on_query(res, exc) -> None:
+        if exc is not None:
+            errors.append(exc)
+            done.set()
+
+    params = SamplingParams(logprob_token_ids=labels)
+    if mode.startswith("shared"):
+        full = [np.concatenate([query, it]) for it in items]
+        prompts = shared_query(full, len(query), params, [on_done] * n, on_query)
+    elif mode == "bound":
+        prompts = [Prompt(query, params, on_query)] + [Prompt(it, params, on_done)
+                                                       for it in items]
+    else:
+        prompts = [Prompt(np.concatenate([query, it]), params, on_done) for it in items]
+    t0 = time.perf_counter()
+    s.submit(prompts)
+    assert done.wait(120), f"{mode}: {left[0]} of {n} items unanswered"
+    assert not errors, errors[0]
+    return time.perf_counter() - t0
+
+
+def measure(s: Scheduler, mode: str, wl: tuple[int, int, int], vocab: int, min_s: float,
+            seed: int) -> dict:
+    q, n, length = wl
+    rng = np.random.default_rng(seed)
+    labels = tuple(int(x) for x in rng.integers(0, vocab, {"shared-0": 0, "shared-16": 16}
+                                                .get(mode, 2)))
+    reqs = [request(rng, vocab, q, n, length) for _ in range(2)]
+    for query, items in reqs:  # warm-up: every shape's first forward, kernels compiled
+        run_request(s, mode, query, items, labels)
+    times, t0 = [], time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - t0 < min_s and len(times) < 50):
+        query, items = request(rng, vocab, q, n, length)
+        times.append(run_request(s, mode, query, items, labels))
+    ms = statistics.median(times) * 1e3
+    return dict(ms=ms, items_s=n / ms * 1e3, reps=len(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--min-s", type=float, default=0.4, help="timed seconds per case, at least")
+    ap.add_argument("--workloads", default=",".join(":".join(map(str, w)) for w in WORKLOADS),
+                    help="query:items:item_tokens, comma-separated")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    workloads = [tuple(int(x) for x in w.split(":")) for w in args.workloads.split(",")]
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    meta = run_meta()
+    modes = args.modes.split(",")
+    rows = []
+    for name in args.models.split(","):
+        cfg = preset(name)
+        loaded = LoadedModel(random_model(cfg, args.device, dtype), None, cfg, Path(name), 0.0)
+        core = EngineCore(EngineConfig(device=args.device, dtype=str(dtype)[6:]), loaded=loaded)
+        scheds = {pc: started(core, pc) for pc in (False, True)}
+        for i, wl in enumerate(workloads):
+            row = dict(model=name, query=wl[0], items=wl[1], item_tokens=wl[2],
+                       unique_tokens=wl[0] + wl[1] * wl[2])
+            for mode in modes:
+                row[mode] = measure(scheds[mode == "per-item-pc"], mode, wl, cfg.vocab_size,
+                                    args.min_s, seed=i)
+                print(name, wl, mode, row[mode], flush=True)
+            rows.append(row)
+        for s in scheds.values():
+            s.stop(10.0)
+        core.close()
+        del core, loaded, scheds
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    results = {"rows": rows, "modes": modes}
+    md = report(rows, modes)
+    out = out_dir()
+    write_results(out, "score", meta, results, md)
+    try:
+        plot(rows, out)
+    except ImportError:
+        print("matplotlib missing: no plot")
+    print(md)
+
+
+def report(rows: list[dict], modes: list[str]) -> str:
+    header = ["model", "query", "items", "item tok"] + [f"{m} items/s" for m in modes]
+    header += ["shared ms", "vs per-item", "vs per-item-pc", "of bound", "labels 0/2/16 ms"]
+    lines = []
+    for r in rows:
+        line = [r["model"], r["query"], r["items"], r["item_tokens"]]
+        line += [round(r[m]["items_s"]) for m in modes]
+        sh = r.get("shared")
+        ratio = [f"{sh['items_s'] / r[m]['items_s']:.2f}x" if sh and m in r else ""
+                 for m in ("per-item", "per-item-pc")]
+        line += [round(sh["ms"], 2) if sh else "", *ratio,
+                 f"{sh['items_s'] / r['bound']['items_s']:.0%}" if sh and "bound" in r else ""]
+        line.append("/".join(f"{r[m]['ms']:.2f}" for m in ("shared-0", "shared", "shared-16")
+                             if m in r))
+        lines.append(line)
+    return markdown_table(header, lines)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == m]
+        xs = np.arange(len(rs))
+        for i, mode in enumerate(("shared", "per-item", "per-item-pc", "bound")):
+            if mode in rs[0]:
+                ax.bar(xs + i * 0.2, [r[mode]["items_s"] for r in rs], 0.2, label=mode)
+        ax.set_xticks(xs + 0.3)
+        ax.set_xticklabels([f"{r['query']}q\n{r['items']}x{r['item_tokens']}" for r in rs],
+                           fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("items/s")
+        ax.set_title(f"{m}: /v1/score's engine path")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "score.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
