@@ -15,7 +15,7 @@ from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts,
 from service.api.schemas import PromptTokensDetails, ScoreRequest, ScoreResponse, ScoreUsage
 from service.api.state import AppState
 from service.engine.interface import SamplingParams
-from service.engine.prompt import common_prefix
+from service.engine.pages import common_prefix
 
 router = APIRouter(prefix="/v1", tags=["score"], dependencies=[Depends(require_api_key)])
 

@@ -20,6 +20,7 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
     query's), moving it from `waiting` to `running`."""
     ps = cache.page_size
     out: Batch = []
+    taken: set[int] = set()  # ids of the prompts in `out`
 
     def take(r: Prompt) -> None:
         nonlocal budget, rows
@@ -29,6 +30,7 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
             rows -= n
         if n > 0:
             out.append((r, r.next_chunk(n, ps)))
+            taken.add(id(r))
             budget -= n
 
     for r in running:
@@ -44,13 +46,12 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
                 r.cancelled = True
                 base.item_over(cache.release)
                 continue
-            if base.done < base.num_tokens or any(p is base for p, _ in out):
+            if base.done < base.num_tokens or id(base) in taken:
                 break  # its query's KV is written by a forward launched before this one
         if r.params.prompt_logprobs and rows <= 0:
             break
         if base is not None:
-            reuse = base.group_pages[:r.shared // ps]
-            cache.hold(reuse)
+            reuse = base.group_pages[:r.shared // ps]  # the query keeps them until r is over
         else:
             if r.keys is None:
                 r.keys = page_keys(r.ids, ps) if cache.enabled else []
@@ -59,7 +60,8 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
                      else cache.match(r.keys, (r.num_tokens - 1) // ps))
         need = pages_for(r.num_tokens, ps) - len(reuse)
         if need > cache.available_pages:
-            cache.release(reuse)
+            if base is None:
+                cache.release(reuse)
             break  # wait for pages rather than let smaller prompts overtake
         waiting.popleft()
         r.pages = reuse + cache.alloc(need)
@@ -68,9 +70,8 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
             if r.shared % ps:  # the query's part-filled last page: a copy of it is this one's
                 r.copy_tail = base.group_pages[len(reuse)], r.pages[len(reuse)]
             r.cached = r.done = r.shared
-            base.item_over(cache.release)
-        elif r.items_waiting:
-            r.group_pages = list(r.pages)  # held for its prompts until the last is admitted
+        elif r.items_left:
+            r.group_pages = list(r.pages)  # held for its prompts until the last is over
             cache.hold(r.group_pages)
         r.admitted_at = time.perf_counter()
         running.append(r)

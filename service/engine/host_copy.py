@@ -1,4 +1,4 @@
-"""A device tensor's way to the host without stopping the host: queue the copy now, wait later."""
+"""Copies between host and device that never stop the host: queue the copy now, wait later."""
 
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ class HostCopy:
             self._event.synchronize()
             self._event = None
         return self._host
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, queued on the current stream. NOTE: a plain copy from
+    pageable memory synchronizes the stream, which would wait for the forward in flight."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

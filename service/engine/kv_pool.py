@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from service.engine.host_copy import to_device
 from service.engine.interface import KVPoolExhausted
 from service.engine.pages import pages_for
 from service.model.config import ModelConfig
@@ -64,8 +65,8 @@ class KVPool:
         """KV of page src[i] -> page dst[i] in every layer, on the current stream."""
         ps = self.page_size
         offs = torch.arange(ps, dtype=torch.int64)
-        s, d = ((torch.tensor(p, dtype=torch.int64)[:, None] * ps + offs).ravel().to(
-            self.data.device) for p in (src, dst))
+        s, d = (to_device((torch.tensor(p, dtype=torch.int64)[:, None] * ps + offs).ravel(),
+                          self.data.device) for p in (src, dst))
         self.data.index_copy_(2, d, self.data.index_select(2, s))
 
     @property

@@ -61,3 +61,13 @@ def page_keys(token_ids, page_size: int) -> list[bytes]:
 
 def split_keys(blob: bytes) -> list[bytes]:
     return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
+
+
+def common_prefix(prompts: list[np.ndarray]) -> int:
+    """Tokens every prompt starts with (the prompts share those tokens' KV pages)."""
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for p in prompts[1:]:
+        diff = np.flatnonzero(p[:n] != first[:n])
+        n = int(diff[0]) if len(diff) else n
+    return n

@@ -49,8 +49,8 @@ class Prompt:
         self.base: Prompt | None = None
         self.shared = 0
         self.copy_tail: tuple[int, int] | None = None  # (query page, own page) to copy first
-        # A shared query: its prompts not yet admitted, and the pages it keeps for them
-        self.items_waiting = 0
+        # A shared query: its prompts not yet over, and the pages it keeps for them meanwhile
+        self.items_left = 0
         self.group_pages: list[int] = []
 
     def next_chunk(self, n: int, page_size: int) -> SeqChunk:
@@ -61,11 +61,15 @@ class Prompt:
         return SeqChunk(self.ids[start:end], start, tuple(self.pages[:pages_for(end, page_size)]),
                         self.params.prompt_logprobs, named)
 
+    def own_pages(self, page_size: int) -> list[int]:
+        """The pages this prompt frees: not its shared query's, which the query keeps."""
+        return self.pages[self.shared // page_size:] if self.base is not None else self.pages
+
     def item_over(self, release: Callable[[list[int]], None]) -> None:
-        """On a shared query: one of its prompts was admitted or dropped; after the last, the
-        query's pages are the admitted prompts' alone."""
-        self.items_waiting -= 1
-        if self.items_waiting == 0 and self.group_pages:
+        """On a shared query: one of its prompts finished or was dropped; after the last, the
+        query lets its pages go."""
+        self.items_left -= 1
+        if self.items_left == 0 and self.group_pages:
             release(self.group_pages)
             self.group_pages = []
 
@@ -100,18 +104,8 @@ def shared_query(prompts: Sequence[np.ndarray], shared: int, params: SamplingPar
     items = [Prompt(ids, params, cb, []) for ids, cb in zip(prompts, on_done)]
     for it in items:
         it.base, it.shared = query, shared
-    query.items_waiting = len(items)
+    query.items_left = len(items)
     return [query, *items]
-
-
-def common_prefix(prompts: Sequence[np.ndarray]) -> int:
-    """Tokens every prompt starts with."""
-    first = prompts[0]
-    n = min(map(len, prompts))
-    for p in prompts[1:]:
-        diff = np.flatnonzero(p[:n] != first[:n])
-        n = int(diff[0]) if len(diff) else n
-    return n
 
 
 class NullObserver:

@@ -9,6 +9,7 @@ import secrets
 import torch
 
 from kernels import ops
+from service.engine.host_copy import to_device
 from service.engine.interface import (
     MAX_TOP_LOGPROBS,
     PositionLogprobs,
@@ -107,10 +108,9 @@ def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
     """(len(rows), longest ids) fp32: the logprobs of `ids[i]` under logits row `rows[i]`, one
     batched reduction on the logits' device (short lists padded with token 0)."""
     width = max(map(len, ids))
-    dev = logits.device
-    idx = torch.tensor([list(t) + [0] * (width - len(t)) for t in ids], dtype=torch.int64,
-                       device=dev)
-    sel = torch.tensor(rows, dtype=torch.int64, device=dev)
+    idx = to_device(torch.tensor([list(t) + [0] * (width - len(t)) for t in ids],
+                                 dtype=torch.int64), logits.device)
+    sel = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
     return torch.cat([log_softmax(logits.index_select(0, sel[lo:lo + PROMPT_ROWS_PER_STEP]))
                       .gather(-1, idx[lo:lo + PROMPT_ROWS_PER_STEP])
                       for lo in range(0, len(rows), PROMPT_ROWS_PER_STEP)])

@@ -127,7 +127,7 @@ class Scheduler:
         """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
         with self._cv:
             # a shared query is no prompt of the client's: it does not count against the queue
-            if (err := self.admission_error(sum(not r.items_waiting for r in reqs))) is not None:
+            if (err := self.admission_error(sum(not r.items_left for r in reqs))) is not None:
                 raise err
             alloc, ps = self.engine.pool.allocator, self.engine.pool.page_size
             for r in reqs:
@@ -251,8 +251,10 @@ class Scheduler:
     def _release(self, r: Prompt) -> None:
         """Free a request's pages and drop it from the running set (lock held)."""
         if r.pages:
-            self.cache.release(r.pages)
+            self.cache.release(r.own_pages(self.cache.page_size))
             r.pages = []
+            if r.base is not None:
+                r.base.item_over(self.cache.release)
         if r in self._running:
             self._running.remove(r)
 

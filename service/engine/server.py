@@ -17,8 +17,8 @@ from service.config import EngineConfig, ServerConfig
 from service.engine import messages as m
 from service.engine.board import QueueBoard
 from service.engine.interface import KVPoolExhausted, NotReady, PromptResult, QueueFull
-from service.engine.pages import split_keys
-from service.engine.prompt import Prompt, common_prefix, shared_query
+from service.engine.pages import common_prefix, split_keys
+from service.engine.prompt import Prompt, shared_query
 from service.engine.scheduler import Scheduler
 from service.process import exit_now, freeze_heap, setup_child
 

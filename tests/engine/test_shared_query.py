@@ -11,7 +11,8 @@ import torch
 
 from service.engine.core import EngineCore
 from service.engine.interface import SamplingParams
-from service.engine.prompt import common_prefix, shared_query
+from service.engine.pages import common_prefix
+from service.engine.prompt import shared_query
 from service.engine.scheduler import Scheduler
 from tests.engine.helpers import PAGE, engine_cfg, prompts, tiny_loaded
 from tests.engine.test_scheduler import FakeEngine, run, start, started, until
@@ -211,8 +212,9 @@ def test_shared_query_on_the_gpu_equals_single_prompts() -> None:
             out[i] = exc or res
             if len(out) == n or exc is not None:
                 done.set()
-        ps = shared_query(full, q, params, [lambda r, e, i=i: on(i, r, e) for i in range(n)],
-                          lambda r, e: e and on(-1, None, e))
+        ps = shared_query(full, q, params,
+                          [lambda r, e, i=i, on=on: on(i, r, e) for i in range(n)],
+                          lambda r, e, on=on: e and on(-1, None, e))
         sched.submit(ps)
         groups.append((full, out, done))
     for _, out, done in groups:
