@@ -11,16 +11,22 @@ run one after another, each until all its items are answered:
   bound         the unique tokens as plain prompts: the query once and N prompts of L tokens,
                 prefix cache off, nothing shared; the engine's time for these tokens
 items/s = N / median request time; "of bound" = shared items/s / bound items/s.
+With --http, the same through the service (`python -m service`, spawned per model, token ids
+in, its defaults: prefix cache on): one POST /v1/score per query against N concurrent POST
+/v1/prefill (query + item, the labels as logprob_token_ids), one query after another.
 
 Usage: python bench/score.py [--models smollm2-135m,llama-3.2-1b] [--min-s 0.4]
        [--workloads 1024:64:20,...] [--device cpu]  (a CPU run: a smoke test of the script)
+       [--http --env MODEL_PATH=.gpu_assets/smollm2]  (then only the HTTP comparison)
 Writes score.json / score.md / score.png to $OUT (default bench/results).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
+import signal
 import statistics
 import sys
 import threading
@@ -128,6 +134,67 @@ def measure(s: Scheduler, mode: str, wl: tuple[int, int, int], vocab: int, min_s
     return dict(ms=ms, items_s=n / ms * 1e3, reps=len(times))
 
 
+async def http_request(client, mode: str, query: list[int], items: list[list[int]],
+                       labels: list[int]) -> float:
+    t0 = time.perf_counter()
+    if mode == "http-score":
+        r = await client.post("/v1/score", json={"query": query, "items": items,
+                                                 "label_token_ids": labels})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["scores"]) == len(items)
+    else:
+        rs = await asyncio.gather(*(client.post("/v1/prefill", json={
+            "input_ids": query + it, "logprob_token_ids": labels}) for it in items))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+    return time.perf_counter() - t0
+
+
+async def http_measure(url: str, mode: str, wl: tuple[int, int, int], vocab: int,
+                       min_s: float, seed: int) -> dict:
+    import httpx
+
+    q, n, length = wl
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, vocab, 2).tolist()
+
+    def one() -> tuple[list[int], list[list[int]]]:
+        query, items = request(rng, vocab, q, n, length)
+        return query.tolist(), [it.tolist() for it in items]
+
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        for _ in range(2):
+            await http_request(client, mode, *one(), labels)
+        times, t0 = [], time.perf_counter()
+        while len(times) < 3 or (time.perf_counter() - t0 < min_s and len(times) < 50):
+            times.append(await http_request(client, mode, *one(), labels))
+    ms = statistics.median(times) * 1e3
+    return dict(ms=ms, items_s=n / ms * 1e3, reps=len(times))
+
+
+def http_rows(args, workloads) -> list[dict]:
+    from bench.load import service_env, spawn
+
+    rows = []
+    for name in args.models.split(","):
+        env = service_env({"DEVICE": args.device, "MODEL_PRESET": name,
+                           **dict(e.split("=", 1) for e in args.env)})
+        proc, url = spawn(env, 300, out_dir())
+        try:
+            vocab = preset(name).vocab_size
+            for i, wl in enumerate(workloads):
+                row = dict(model=name, query=wl[0], items=wl[1], item_tokens=wl[2],
+                           unique_tokens=wl[0] + wl[1] * wl[2])
+                for mode in ("http-score", "http-per-item"):
+                    row[mode] = asyncio.run(http_measure(url, mode, wl, vocab, args.min_s, i))
+                    print(name, wl, mode, row[mode], flush=True)
+                rows.append(row)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -136,8 +203,23 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(":".join(map(str, w)) for w in WORKLOADS),
                     help="query:items:item_tokens, comma-separated")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--http", action="store_true", help="through the service instead")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the service")
     args = ap.parse_args()
     workloads = [tuple(int(x) for x in w.split(":")) for w in args.workloads.split(",")]
+    if args.http:
+        meta, rows = run_meta(), http_rows(args, workloads)
+        md = markdown_table(
+            ["model", "query", "items", "item tok", "/v1/score items/s", "ms",
+             "per-item /v1/prefill items/s", "ms", "speed-up"],
+            [[r["model"], r["query"], r["items"], r["item_tokens"],
+              round(r["http-score"]["items_s"]), r["http-score"]["ms"],
+              round(r["http-per-item"]["items_s"]), r["http-per-item"]["ms"],
+              f"{r['http-score']['items_s'] / r['http-per-item']['items_s']:.2f}x"]
+             for r in rows])
+        write_results(out_dir(), "score-http", meta, {"rows": rows}, md)
+        print(md)
+        return
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     meta = run_meta()

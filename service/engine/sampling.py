@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import torch
 
 from kernels import ops
@@ -107,13 +108,21 @@ def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
                ) -> torch.Tensor:
     """(len(rows), longest ids) fp32: the logprobs of `ids[i]` under logits row `rows[i]`, one
     batched reduction on the logits' device (short lists padded with token 0)."""
-    width = max(map(len, ids))
-    idx = to_device(torch.tensor([list(t) + [0] * (width - len(t)) for t in ids],
-                                 dtype=torch.int64), logits.device)
-    sel = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
-    return torch.cat([log_softmax(logits.index_select(0, sel[lo:lo + PROMPT_ROWS_PER_STEP]))
-                      .gather(-1, idx[lo:lo + PROMPT_ROWS_PER_STEP])
-                      for lo in range(0, len(rows), PROMPT_ROWS_PER_STEP)])
+    dev = logits.device
+    sel = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+    same = all(t == ids[0] for t in ids)  # one request's prompts: one list for every row
+    if same:
+        idx = to_device(torch.tensor(ids[0], dtype=torch.int64), dev)
+    else:
+        table = np.zeros((len(ids), max(map(len, ids))), np.int64)
+        for i, t in enumerate(ids):
+            table[i, :len(t)] = t
+        idx = to_device(torch.from_numpy(table), dev)
+    out = []
+    for lo in range(0, len(rows), PROMPT_ROWS_PER_STEP):
+        lp = log_softmax(logits.index_select(0, sel[lo:lo + PROMPT_ROWS_PER_STEP]))
+        out.append(lp.index_select(-1, idx) if same else lp.gather(-1, idx[lo:lo + len(lp)]))
+    return torch.cat(out)
 
 
 def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> PositionLogprobs:

@@ -16,6 +16,7 @@ from service.engine.sampling import (
     choose,
     last_rows,
     make_generator,
+    named_rows,
     next_token,
     prompt_logprobs,
 )
@@ -185,3 +186,16 @@ def test_last_row_alternatives_are_a_prefix_of_the_top_k() -> None:
             torch.topk(want, MAX_TOP_LOGPROBS).values.tolist(), abs=1e-6)
         for n in (0, 1, 7, MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 5):
             assert row.top_n(n) == full[:n]
+
+
+def test_named_rows_for_one_list_and_for_several() -> None:
+    """The forward's batched reduction: row i's logprobs of its own list, padded with token 0
+    when the lists differ in length."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(7, 50, generator=g)
+    lp = torch.log_softmax(logits, -1)
+    same = named_rows(logits, [1, 4, 6], [(3, 9)] * 3)
+    torch.testing.assert_close(same, lp[[1, 4, 6]][:, [3, 9]])
+    mixed = named_rows(logits, [0, 5], [(7,), (2, 49, 11)])
+    torch.testing.assert_close(mixed[0], lp[0, [7, 0, 0]])
+    torch.testing.assert_close(mixed[1], lp[5, [2, 49, 11]])
