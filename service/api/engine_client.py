@@ -114,8 +114,9 @@ class EngineClient:
             keys = [b"".join(page_keys(prompts[0][:shared], ps))] + [b""] * (len(prompts) - 1)
         else:
             keys = [b"".join(page_keys(p, ps)) for p in prompts]
-        self._send(m.Submit(self.worker, rid, [m.pack_ids(p) for p in prompts], params, keys,
-                            shared))
+        packed = [m.pack_ids(p if i == 0 or not shared else p[shared:])
+                  for i, p in enumerate(prompts)]
+        self._send(m.Submit(self.worker, rid, packed, params, keys, shared))
         return rid, fut
 
     def cancel(self, rid: int) -> None:

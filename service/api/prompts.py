@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
 from starlette.requests import Request as HTTPRequest
 from starlette.types import Receive
 
@@ -45,7 +46,7 @@ async def tokenized(state: AppState, http: HTTPRequest, model: str | None,
     return await off_loop(http, fn, *args)
 
 
-def _too_long(name: str, count: str, state: AppState) -> PromptTooLong:
+def too_long(name: str, count: str, state: AppState) -> PromptTooLong:
     limit, why = state.prompt_limit
     return PromptTooLong(f"{name} has {count} tokens; the limit is {limit} ({why})", name,
                          "context_length_exceeded")
@@ -62,7 +63,7 @@ def encode_texts(state: AppState, texts: Sequence[str], field: str,
             raise BadInput(f"{name} is empty", name)
         ids = state.tokenizer.encode_within(text, limit)
         if ids is None:
-            raise _too_long(name, f"more than {limit}", state)
+            raise too_long(name, f"more than {limit}", state)
         out.append(ids)
     return check_ids(state, out, field, single)
 
@@ -79,12 +80,20 @@ def check_ids(state: AppState, prompts: list[list[int]], field: str,
         if not ids:
             raise BadInput(f"{name} is empty (no tokens)", name)
         if len(ids) > limit:
-            raise _too_long(name, str(len(ids)), state)
-        if min(ids) < 0 or max(ids) >= vocab:
-            j, t = next((j, t) for j, t in enumerate(ids) if not 0 <= t < vocab)
-            raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "
-                           f"(0 <= id < {vocab})", f"{name}[{j}]")
+            raise too_long(name, str(len(ids)), state)
+        check_vocab(ids, vocab, name)
     return prompts
+
+
+def check_vocab(ids: Sequence[int] | np.ndarray, vocab: int, name: str) -> None:
+    """Every id of `ids` is a token of the vocabulary, else a 400 naming the first that is not."""
+    if not len(ids):
+        return
+    lo, hi = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
+    if lo < 0 or hi >= vocab:
+        j, t = next((j, int(t)) for j, t in enumerate(ids) if not 0 <= t < vocab)
+        raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "
+                       f"(0 <= id < {vocab})", f"{name}[{j}]")
 
 
 def named_ids(state: AppState, ids: list[int] | None,

@@ -11,7 +11,14 @@ from fastapi.responses import Response
 
 from service.api.deps import State, json_response, require_api_key
 from service.api.errors import BadInput
-from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
+from service.api.prompts import (
+    check_vocab,
+    encode_texts,
+    named_ids,
+    run_prompts,
+    tokenized,
+    too_long,
+)
 from service.api.schemas import PromptTokensDetails, ScoreRequest, ScoreResponse, ScoreUsage
 from service.api.state import AppState
 from service.engine.interface import SamplingParams
@@ -20,7 +27,7 @@ from service.engine.pages import common_prefix
 router = APIRouter(prefix="/v1", tags=["score"], dependencies=[Depends(require_api_key)])
 
 
-def score_prompts(state: AppState, body: ScoreRequest) -> list[list[int]]:
+def score_prompts(state: AppState, body: ScoreRequest) -> list[np.ndarray]:
     """Token ids of every query + item (item + query) prompt, checked."""
     query, items = body.query, body.items
     if query is None:
@@ -33,29 +40,43 @@ def score_prompts(state: AppState, body: ScoreRequest) -> list[list[int]]:
         raise BadInput("label_token_ids is required: the tokens whose probabilities score each "
                        "item", "label_token_ids")
     items = [items] if isinstance(items, str) else items
+    if len(items) > (most := state.engine_cfg.max_queue_requests):
+        raise BadInput(f"items: {len(items)} in one request; at most {most} "
+                       "(MAX_QUEUE_REQUESTS)", "items")
     first = body.item_first
     if isinstance(query, str):
         if not all(isinstance(it, str) for it in items):
             raise BadInput("items must be texts when query is a text", "items")
         if query:
             encode_texts(state, [query], "query", single=True)  # an over-long query is named
-        return encode_texts(state, [it + query if first else query + it for it in items],
-                            "items", single=False)
+        texts = [it + query if first else query + it for it in items]
+        return [np.asarray(p, np.int32) for p in encode_texts(state, texts, "items", False)]
     if not all(isinstance(it, list) for it in items):
         raise BadInput("items must be token-id lists when query is token ids", "items")
-    if query:
-        check_ids(state, [query], "query", single=True)
-    return check_ids(state, [it + query if first else query + it for it in items],  # type: ignore[operator]
-                     "items", single=False)
+    # the query's ids are checked once, each item's apart, then the length of each prompt
+    vocab, limit = state.engine.info.vocab_size, state.max_prompt_tokens
+    q = np.asarray(query, np.int64)
+    check_vocab(q, vocab, "query")
+    if len(q) > limit:
+        raise too_long("query", str(len(q)), state)
+    out = []
+    for i, it in enumerate(items):
+        a = np.asarray(it, np.int64)
+        check_vocab(a, vocab, f"items[{i}]")
+        if not len(q) + len(a):
+            raise BadInput(f"items[{i}] is empty (no tokens), and so is the query", f"items[{i}]")
+        if len(q) + len(a) > limit:
+            raise too_long(f"items[{i}]", f"{len(q) + len(a)} (query + item)", state)
+        out.append(np.concatenate([a, q] if first else [q, a]).astype(np.int32))
+    return out
 
 
-def shared_tokens(state: AppState, prompts: list[list[int]]) -> int:
+def shared_tokens(state: AppState, prompts: list[np.ndarray]) -> int:
     """The leading tokens every prompt shares, when prefilling them once pays: at least a full
     KV page, and every prompt keeps a token of its own."""
     if len(prompts) < 2:
         return 0
-    arrays = [np.asarray(p, dtype=np.int32) for p in prompts]
-    shared = min(common_prefix(arrays), min(map(len, arrays)) - 1)
+    shared = min(common_prefix(prompts), min(map(len, prompts)) - 1)
     return shared if shared >= state.engine.info.page_size else 0
 
 

@@ -33,7 +33,9 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     prompts: list[bytes]  # int32 token ids, one buffer per prompt
     params: SamplingParams
     keys: list[bytes] = []  # per prompt, its prefix-cache page keys joined; [] = none sent
-    shared: int = 0  # leading tokens all prompts share: prefilled once, read by each
+    # > 0: the prompts' first `shared` tokens are the same, prefilled once and read by each;
+    # prompts after the first then carry only their tokens after those
+    shared: int = 0
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):

@@ -11,13 +11,20 @@ import time
 from functools import partial
 from multiprocessing.connection import Connection
 
+import numpy as np
 import zmq
 
 from service.config import EngineConfig, ServerConfig
 from service.engine import messages as m
 from service.engine.board import QueueBoard
-from service.engine.interface import KVPoolExhausted, NotReady, PromptResult, QueueFull
-from service.engine.pages import common_prefix, split_keys
+from service.engine.interface import (
+    ForwardFailed,
+    KVPoolExhausted,
+    NotReady,
+    PromptResult,
+    QueueFull,
+)
+from service.engine.pages import split_keys
 from service.engine.prompt import Prompt, shared_query
 from service.engine.scheduler import Scheduler
 from service.process import exit_now, freeze_heap, setup_child
@@ -128,12 +135,14 @@ class EngineServer:
         ids = [m.unpack_ids(p) for p in msg.prompts]
         done = [partial(req.done, i) for i in range(len(ids))]
         shared = msg.shared
-        if shared and (len(ids) < 2 or not 0 < shared < min(map(len, ids))
-                       or common_prefix(ids) < shared):
-            log.warning("a Submit's shared prefix of %d tokens is not shared; prefilled apart",
-                        shared)
-            shared = 0
         if shared:
+            if len(ids) < 2 or not 0 < shared < len(ids[0]) or min(map(len, ids[1:])) == 0:
+                self._reply(key, None, ForwardFailed(
+                    f"a Submit sharing {shared} tokens needs 2 or more prompts, each with "
+                    "tokens of its own"))
+                return
+            head = ids[0][:shared]
+            ids[1:] = [np.concatenate([head, tail]) for tail in ids[1:]]
             info = self.scheduler.info
             qkeys = (keys[0][:shared // info.page_size]
                      if info is not None and keys[0] is not None else None)
