@@ -65,9 +65,10 @@ def prompt_inputs(state: AppState, prompt: object) -> tuple[list[list[int]], lis
     return check_ids(state, prompt, "prompt", single=False), [None] * len(prompt)
 
 
-def _top(state: AppState, p: PositionLogprobs) -> dict[str, float]:
+def _top(state: AppState, p: PositionLogprobs, named: tuple[int, ...]) -> dict[str, float]:
     text = state.tokenizer.token_text
-    top = {text(t.id): t.logprob for t in (p.top if p.named is None else p.named)}
+    top = ({text(t.id): t.logprob for t in p.top} if p.named is None
+           else {text(t): v for t, v in zip(named, p.named)})
     top.setdefault(text(p.token.id), p.token.logprob)  # vLLM: the chosen token is always listed
     return top
 
@@ -97,12 +98,13 @@ def to_choice(state: AppState, i: int, body: CompletionRequest, max_tokens: int,
             lp.text_offset.append(offset)
             offset += len(token_text)
 
+        named = tuple(body.logprob_token_ids or ())
         if body.echo:
             add(tok.token_text(ids[0]), None, None)
             for p in res.prompt_logprobs or []:
-                add(tok.token_text(p.token.id), p.token.logprob, _top(state, p))
+                add(tok.token_text(p.token.id), p.token.logprob, _top(state, p, named))
         if gen is not None:
-            add(tok.token_text(gen), res.next.token.logprob, _top(state, res.next))
+            add(tok.token_text(gen), res.next.token.logprob, _top(state, res.next, named))
         logprobs = lp
     return CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)
 

@@ -43,19 +43,26 @@ def _toks(state: AppState, ts: list[TokenLogprob] | None) -> list[TokenInfo] | N
     return None if ts is None else [_tok(state, t) for t in ts]
 
 
-def to_result(state: AppState, i: int, ids: list[int], res: PromptResult) -> PrefillResult:
+def _named(state: AppState, named: tuple[int, ...], vals: list[float] | None
+           ) -> list[TokenInfo] | None:
+    return None if vals is None else [_tok(state, TokenLogprob(t, v))
+                                      for t, v in zip(named, vals)]
+
+
+def to_result(state: AppState, i: int, ids: list[int], res: PromptResult,
+              named: tuple[int, ...]) -> PrefillResult:
     plps = None
     if res.prompt_logprobs is not None:
         text = state.tokenizer.token_text
         plps = [PromptTokenInfo(id=ids[0], text=text(ids[0]), logprob=None)]
         plps += [PromptTokenInfo(id=p.token.id, text=text(p.token.id), logprob=p.token.logprob,
                                  top_logprobs=_toks(state, p.top) if p.top else None,
-                                 token_logprobs=_toks(state, p.named))
+                                 token_logprobs=_named(state, named, p.named))
                  for p in res.prompt_logprobs]
     return PrefillResult(
         index=i, prompt_tokens=res.prompt_tokens, cached_tokens=res.cached_tokens,
         next_token=_tok(state, res.next.token), top_logprobs=_toks(state, res.next.top),
-        token_logprobs=_toks(state, res.next.named), prompt_logprobs=plps,
+        token_logprobs=_named(state, named, res.next.named), prompt_logprobs=plps,
         queue_ms=round(res.queue_s * 1e3, 3), prefill_ms=round(res.prefill_s * 1e3, 3))
 
 
@@ -68,7 +75,8 @@ async def prefill(body: PrefillRequest, state: State, request: Request) -> Respo
                             prompt_logprobs=body.prompt_logprobs,
                             logprob_token_ids=named_ids(state, body.logprob_token_ids))
     results = await run_prompts(state, request, prompts, params)
-    out = [to_result(state, i, ids, r) for i, (ids, r) in enumerate(zip(prompts, results))]
+    out = [to_result(state, i, ids, r, params.logprob_token_ids)
+           for i, (ids, r) in enumerate(zip(prompts, results))]
     state.metrics.count("ok")
     return json_response(PrefillResponse(
         id=f"prefill-{uuid.uuid4().hex}", model=state.model_name, results=out,

@@ -61,7 +61,7 @@ class TokenLogprob(NamedTuple):
 class PositionLogprobs(NamedTuple):
     token: TokenLogprob
     top: list[TokenLogprob]
-    named: list[TokenLogprob] | None = None  # SamplingParams.logprob_token_ids, in that order
+    named: list[float] | None = None  # of SamplingParams.logprob_token_ids, in that order
 
 
 class PromptResult(NamedTuple):

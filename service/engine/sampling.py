@@ -95,13 +95,13 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=gen or make_generator(params.seed)))
 
 
-def named_logprobs(logits: torch.Tensor, ids: tuple[int, ...]) -> list[list[TokenLogprob]]:
+def named_logprobs(logits: torch.Tensor, ids: tuple[int, ...]) -> list[list[float]]:
     """Per row of (N, V) logits, the logprobs of `ids`, reduced on the logits' device."""
     idx = torch.tensor(ids, dtype=torch.int64, device=logits.device)
     rows = []
     for lo in range(0, logits.shape[0], PROMPT_ROWS_PER_STEP):
         rows += log_softmax(logits[lo:lo + PROMPT_ROWS_PER_STEP]).index_select(-1, idx).tolist()
-    return [[TokenLogprob(t, v) for t, v in zip(ids, r)] for r in rows]
+    return rows
 
 
 def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
@@ -133,7 +133,7 @@ def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> Posi
     if not ids:
         named = None
     elif last.named is not None:
-        named = [TokenLogprob(t, v) for t, v in zip(ids, last.named)]
+        named = last.named[:len(ids)]
     else:
         named = named_logprobs(row[None], ids)[0]
     if params.greedy:
