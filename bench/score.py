@@ -20,13 +20,14 @@ holding the N query + item prompts (the labels as logprob_token_ids), one after 
 Usage: python bench/score.py [--models smollm2-135m,llama-3.2-1b] [--min-s 0.4]
        [--workloads 1024:64:20,...] [--device cpu]  (a CPU run: a smoke test of the script)
        [--http --env MODEL_PATH=.gpu_assets/smollm2]  (then only the HTTP comparison)
-Writes score.json / score.md / score.png to $OUT (default bench/results).
+Writes score[-http]-<device>-<date>.{json,md,png} to $OUT (default bench/results).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import gc
 import signal
 import statistics
@@ -211,6 +212,11 @@ def http_rows(args, workloads) -> list[dict]:
     return rows
 
 
+def result_name(kind: str, meta: dict) -> str:
+    device = (meta.get("gpu") or "cpu").lower().replace(" ", "-").removeprefix("nvidia-")
+    return f"{kind}-{device}-{datetime.date.today().isoformat()}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -233,7 +239,7 @@ def main() -> None:
               round(r["http-prefill"]["items_s"]), r["http-prefill"]["ms"],
               f"{r['http-score']['items_s'] / r['http-prefill']['items_s']:.2f}x"]
              for r in rows])
-        write_results(out_dir(), "score-http", meta, {"rows": rows}, md)
+        write_results(out_dir(), result_name("score-http", meta), meta, {"rows": rows}, md)
         print(md)
         return
     cuda = args.device == "cuda"
@@ -265,9 +271,10 @@ def main() -> None:
     results = {"rows": rows, "modes": modes}
     md = report(rows, modes)
     out = out_dir()
-    write_results(out, "score", meta, results, md)
+    name = result_name("score", meta)
+    write_results(out, name, meta, results, md)
     try:
-        plot(rows, out)
+        plot(rows, out / f"{name}.png")
     except ImportError:
         print("matplotlib missing: no plot")
     print(md)
@@ -291,7 +298,7 @@ def report(rows: list[dict], modes: list[str]) -> str:
     return markdown_table(header, lines)
 
 
-def plot(rows: list[dict], out: Path) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,7 +320,7 @@ def plot(rows: list[dict], out: Path) -> None:
         ax.set_title(f"{m}: /v1/score's engine path")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "score.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
