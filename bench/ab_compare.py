@@ -1,13 +1,15 @@
-"""The restructure's A/B: tag before-restructure against the working tree, on one GPU.
+"""An interleaved A/B of two trees on one GPU: a before tree (a worktree in .before) against the
+working tree.
 
 bench/h200_session.sh's step `ab` runs e2e, attention and capture in the order before, after,
 before, after (the old tree from its worktree in .before) into AB_DIR/{before1,after1,before2,
 after2}, then this script's report. Two modes:
 
-  python3 bench/ab_compare.py report AB_DIR [--out-dir bench/results] [--name NAME]
+  python3 bench/ab_compare.py report AB_DIR [--out-dir bench/results] [--change NAME]
+          [--before "tag X (abc1234)"] [--known "what differs on purpose"] [--name NAME]
       reads each run's e2e.json, attention.json and capture.json (a missing run or file is
       reported as such) and writes NAME.md and NAME.json (default name:
-      ab-restructure-<gpu>-<date of the runs>)
+      ab-<change>-<gpu>-<date of the runs>)
   python3 <this tree>/bench/ab_compare.py run-attention [--seqs 512,...] [--dims 64,128]
           [--heads 32/8] [--dry]
       run from a tree's root (`cd .before && python3 ../bench/ab_compare.py run-attention`):
@@ -312,6 +314,10 @@ def report(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="ab_compare.py report")
     p.add_argument("ab_dir", type=Path, help="holds before1, after1, before2, after2")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--change", default="change", help="what the A/B is of, e.g. restructure")
+    p.add_argument("--before", default="the tree in `.before`",
+                   help="what the before tree is, e.g. tag before-restructure (42b08ae)")
+    p.add_argument("--known", default="", help="differences expected beforehand")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     data, status = load_runs(args.ab_dir)
@@ -319,16 +325,16 @@ def report(argv: list[str]) -> None:
     date = (meta.get("date") or datetime.datetime.now(datetime.timezone.utc).isoformat())[:10]
     gpu = meta.get("gpu") or "cpu"
     tag = "h200" if "H200" in gpu else "".join(c if c.isalnum() else "-" for c in gpu.lower())
-    name = args.name or f"ab-restructure-{tag}-{date}"
+    name = args.name or f"ab-{args.change}-{tag}-{date}"
     rows = compare(data)
     times = read_times(args.ab_dir)
     commands = {f"{run} {b}": data[run][b]["meta"].get("command")
                 for run in RUNS for b in BENCHES
                 if data[run][b] and data[run][b].get("meta")}
 
-    lines = [f"# The restructure, before/after ({gpu}, {date})", ""]
+    lines = [f"# {args.change}, before/after ({gpu}, {date})", ""]
     lines.append(
-        "Tag `before-restructure` (42b08ae, a worktree in `.before`) against the working tree, "
+        f"{args.before} (a worktree in `.before`) against the working tree, "
         "each benchmark run before, after, before, after in separate processes on one GPU "
         "(`STEPS=ab bash bench/h200_session.sh`). "
         f"torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}.")
@@ -337,10 +343,8 @@ def report(argv: list[str]) -> None:
         "Spread = |run 1 − run 2| / their mean. Verdict: after mean worse than before mean by "
         f"more than max(before spread, after spread) + {100 * MARGIN:.0f} % → slower (memory: "
         "worse), better by as much → faster (better), else within noise. Graph counts are "
-        "informational (same / differs). Known beforehand: the restructure removed "
-        "CUDA_GRAPH_SHARED_MAX_TOKENS, so SmolLM2 captures ~224 graphs and ~30 MB more "
-        "(a back-to-back run of 2026-12-01); the attention launcher's 'new q' and 'bind each "
-        "call' rows time different things.")
+        "informational (same / differs)." + (f" Known beforehand: {args.known}" if args.known
+                                             else ""))
     lines += ["", "## Runs", "", "| run | status |", "|---|---|"]
     lines += [f"| {run} | {status[run]} |" for run in ("before1", "after1", "before2", "after2")]
     if times:
@@ -396,7 +400,7 @@ def report(argv: list[str]) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.md").write_text(md)
     (args.out_dir / f"{name}.json").write_text(json.dumps(dict(
-        benchmark="restructure A/B (before-restructure vs working tree)", date=date, gpu=gpu,
+        benchmark=f"{args.change} A/B ({args.before} vs the working tree)", date=date, gpu=gpu,
         torch=meta.get("torch"), triton=meta.get("triton"), margin=MARGIN, runs=status,
         times=times, commands=commands, summary=summary, rows=rows), indent=1))
     print(md)

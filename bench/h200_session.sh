@@ -63,13 +63,16 @@ step sanitizer "${T_SAN:-35}" compute-sanitizer --tool memcheck --error-exitcode
 step e2e "${T_E2E:-110}" env OUT="$R" python3 bench/e2e.py --profile \
   --models "${E2E_MODELS:-smollm2-135m,llama-3.2-1b,llama-3.1-8b,qwen2.5-0.5b}" \
   --variants "${E2E_VARIANTS:-ours-graph,ours-eager,ours-refattn,hf-sdpa}"
-# The restructure's A/B (not in the default STEPS; STEPS=ab): tag before-restructure, a worktree
-# in .before (carried: carry [".whl", ".before"]), against this tree. Each benchmark runs before,
+# An interleaved A/B (not in the default STEPS; STEPS=ab): a worktree of the before commit in
+# .before (carried: carry [".whl", ".before"]), against this tree; AB_CHANGE names it (the
+# report's file), AB_BEFORE says what the before tree is, AB_KNOWN the differences expected
+# beforehand, e.g. AB_CHANGE=restructure AB_BEFORE="tag before-restructure (42b08ae)". Each
+# benchmark runs before,
 # after, before, after, each run its own process, into $R/ab/{before1,after1,before2,after2};
 # e2e first, then attention, then capture (near-deterministic memory: the one to lose). The
 # whole step stays within AB_BUDGET_S: a run is skipped when less than its expected time is
 # left, and cut at the budget. Durations land in $R/ab/times.tsv, the comparison (python3
-# bench/ab_compare.py report) in $R/ab/ab-restructure-*.md. AB_ATTN=small runs
+# bench/ab_compare.py report) in $R/ab/ab-$AB_CHANGE-*.md. AB_ATTN=small runs
 # bench/attention.py --small (S = 512, 1k, both head configs) instead of the subset below.
 AB_E2E_MODELS=${AB_E2E_MODELS:-smollm2-135m,qwen2.5-0.5b,llama-3.2-1b}
 AB_E2E=(bench/e2e.py --variants ours-graph --models "$AB_E2E_MODELS")
@@ -112,7 +115,8 @@ ab_step() {
     ab_run attention "$run" "${T_AB_ATTN:-120}" "${AB_X_ATTN:-45}" "${AB_ATT[@]}"; done
   for run in before1 after1 before2 after2; do
     ab_run capture "$run" "${T_AB_CAP:-90}" "${AB_X_CAP:-30}" "${AB_CAP[@]}"; done
-  python3 bench/ab_compare.py report "$R/ab" --out-dir "$R/ab" > "$R/ab/report.log" 2>&1
+  python3 bench/ab_compare.py report "$R/ab" --out-dir "$R/ab" --change "${AB_CHANGE:-change}" \
+    --before "${AB_BEFORE:-the tree in .before}" --known "${AB_KNOWN:-}" > "$R/ab/report.log" 2>&1
   echo "== ab report rc=$? ($(date +%T)): $(tail -1 "$R/ab/report.log")"
   tar czf "$ROOT/results$TAG.tgz" -C "$ROOT" "r$TAG"
 }

@@ -203,11 +203,11 @@ class Connection:
     """A minimal HTTP/1.1 keep-alive client for one POST after another: a few microseconds per
     request where httpx spends hundreds, so the client processes do not set the pace."""
 
-    def __init__(self, url: str, headers: dict, timeout: float):
+    def __init__(self, url: str, headers: dict, timeout: float, path: str = "/v1/prefill"):
         u = urlparse(url)
         self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self.head = (f"POST /v1/prefill HTTP/1.1\r\nHost: {u.netloc}\r\n"
+        self.head = (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\n"
                      f"Content-Type: application/json\r\n{extra}Content-Length: ")
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
