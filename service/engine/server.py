@@ -143,6 +143,7 @@ class EngineServer:
                 return
             head = ids[0][:shared]
             ids[1:] = [np.concatenate([head, tail]) for tail in ids[1:]]
+        if shared and not msg.params.prompt_logprobs:  # those need every position computed
             info = self.scheduler.info
             qkeys = (keys[0][:shared // info.page_size]
                      if info is not None and keys[0] is not None else None)

@@ -1,5 +1,5 @@
 """The engine's server loop over real ZeroMQ sockets: batching across workers, cancellation when a
-worker goes, and bytes that are not a message."""
+worker goes, bytes that are not a message, prompts that share a prefix."""
 
 from __future__ import annotations
 
@@ -102,5 +102,42 @@ def test_bytes_that_are_not_a_message_are_dropped(core) -> None:
 
     try:
         asyncio.run(main())
+    finally:
+        thread.close()
+
+
+def test_a_submit_sharing_a_prefix_carries_the_rest_once(core) -> None:
+    """With `shared`, prompts after the first travel as their own tokens; the engine rebuilds
+    them, prefills the shared tokens once, and refuses a Submit whose prompts share nothing."""
+    thread, eng = engine_thread(core)
+
+    async def main() -> None:
+        client = await connected(thread, 0)
+        query = list(range(40, 80))
+        prompts = [query + [7, 8], query + [9], query + [10, 11, 12]]
+        _, fut = client.submit(prompts, SamplingParams(), shared=len(query))
+        grouped = await fut
+        _, fut = client.submit(prompts, SamplingParams())
+        apart = await fut
+        assert [r.next.token.id for r in grouped] == [r.next.token.id for r in apart]
+        for g, a in zip(grouped, apart):
+            assert abs(g.next.token.logprob - a.next.token.logprob) < 1e-4
+        assert [r.prompt_tokens for r in grouped] == [42, 41, 43]
+        assert [r.cached_tokens for r in grouped] == [40, 40, 40]
+        bad = m.Submit(0, 999, [m.pack_ids(query), m.pack_ids([])], SamplingParams(), [], 40)
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(thread.addrs.inbox)
+        sock.send(m.encode(bad))
+        fut = asyncio.get_running_loop().create_future()
+        client._pending[999] = fut  # the reply to the hand-made Submit
+        with_error = await asyncio.wait_for(asyncio.gather(fut, return_exceptions=True), 10)
+        assert "tokens of its own" in str(with_error[0])
+        sock.close(0)
+        await client.close()
+
+    try:
+        asyncio.run(main())
+        # the grouped request: the query's 40 tokens, then the items' 6 in the next forward
+        assert [sum(map(len, f)) for f in eng.forwards[:2]] == [40, 6]
     finally:
         thread.close()
