@@ -15,18 +15,6 @@ ITEMS = [" Paris<|im_end|>\n<|im_start|>assistant\n", " London<|im_end|>\n<|im_s
          " Berlin<|im_end|>\n<|im_start|>assistant\n", " Lyon<|im_end|>\n<|im_start|>assistant\n"]
 
 
-@pytest.fixture(scope="module")
-def hf():
-    """transformers reading the same GGUF independently: the reference model."""
-    import transformers
-
-    from service.model.files import default_model_path
-
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
 def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
@@ -42,7 +30,7 @@ def labels(core) -> list[int]:
     return [core.tokenizer.encode(w)[0] for w in ("Yes", "No", " Yes", " No")]
 
 
-def test_scores_match_transformers(api, core, hf) -> None:
+def test_scores_match_transformers(api, core, smollm2_hf) -> None:
     """Each item's scores are the label tokens' probabilities after query + item, equal to
     transformers' on the same prompt; with apply_softmax, normalised over the labels."""
     lab = labels(core)
@@ -52,7 +40,7 @@ def test_scores_match_transformers(api, core, hf) -> None:
     assert len(out["scores"]) == len(ITEMS)
     prompts = [core.tokenizer.encode(QUERY + it) for it in ITEMS]
     for ids, probs, norm in zip(prompts, out["scores"], soft["scores"]):
-        ref = hf_logprobs(hf, ids)[lab]
+        ref = hf_logprobs(smollm2_hf, ids)[lab]
         assert probs == pytest.approx(ref.exp().tolist(), abs=2e-3, rel=2e-2)
         assert norm == pytest.approx(torch.softmax(ref, -1).tolist(), abs=2e-3)
         assert sum(norm) == pytest.approx(1.0)

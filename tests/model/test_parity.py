@@ -100,15 +100,13 @@ def test_padding_does_not_change_outputs(tiny):
 # --- the real embedded default model: transformers reads the same GGUF independently ---------
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_hf):
     import transformers
 
     path = default_model_path()
     ours = load_model(path, "cpu", torch.float32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return ours, ref, tok
+    return ours, smollm2_hf, tok
 
 
 SMOL_PROMPTS = [
