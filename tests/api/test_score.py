@@ -133,3 +133,20 @@ def test_bad_score_requests_are_a_400_naming_the_field(api, body, field, says) -
     assert r.status_code in (400, 404), r.text
     err = r.json()["error"]
     assert err["param"] == field and says in err["message"], err
+
+
+def test_an_sglang_style_client_over_a_real_server(served, core) -> None:
+    """SGLang's documented call (a plain JSON POST to /v1/score) against uvicorn as the CLI runs
+    it: the same scores as through the app."""
+    import httpx
+
+    url = served()
+    body = {"query": QUERY, "items": ITEMS[:2], "label_token_ids": labels(core),
+            "apply_softmax": True, "model": "SmolLM2-135M-Instruct.Q4_1"}
+    r = httpx.post(url + "/v1/score", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "scoring" and len(out["scores"]) == 2
+    again = score(served.live, **body)  # the second time, the query's pages come from the cache
+    for a, b in zip(out["scores"], again["scores"], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
