@@ -60,7 +60,8 @@ class Launched:
         self.named = named  # (chunks that name tokens, their logprobs on the way to the host)
 
     def ready(self) -> bool:
-        return self.summary is None or self.summary.ready()
+        return ((self.summary is None or self.summary.ready())
+                and (self.named is None or self.named[1].ready()))
 
     def wait(self) -> ForwardOutput:
         last = unpack(self.summary.get()) if self.summary is not None else []
@@ -228,12 +229,6 @@ class EngineCore:
             rows = [batch.logits_rows[i][1] - 1 for i in asking]
             named = asking, HostCopy(named_rows(logits, rows, [chunks[i].named for i in asking]))
         return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0, named)
-
-    @torch.inference_mode()
-    def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """KV page src[i] -> dst[i], queued after the forwards launched so far and before the
-        next (the runners' stream waits for the caller's)."""
-        self.pool.copy_pages(src, dst)
 
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
         return self.launch(chunks).wait()

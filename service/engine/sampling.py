@@ -127,15 +127,13 @@ def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
 
 def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> PositionLogprobs:
     """The first token from the last (V,) logits `row`; greedy reads only the summary (and the
-    named tokens' logprobs: the forward's, else reduced from `row` on its device)."""
+    named tokens' logprobs, which the forward reduced: EngineCore.launch)."""
     top = last.top_n(params.top_logprobs)
     ids = params.logprob_token_ids
-    if not ids:
-        named = None
-    elif last.named is not None:
+    named = None
+    if ids:
+        assert last.named is not None, "the forward reduces a last chunk's named tokens"
         named = last.named[:len(ids)]
-    else:
-        named = named_logprobs(row[None], ids)[0]
     if params.greedy:
         return PositionLogprobs(last.greedy, top, named)
     x = row.cpu()

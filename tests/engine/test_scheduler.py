@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,11 @@ class FakePool:
     def __init__(self, pages: int, page_size: int):
         self.allocator = PageAllocator(pages + 1)
         self.page_size = page_size
+        self.calls: list = []  # the engine's forwards
+        self.copies: list[tuple[int, list[int], list[int]]] = []
+
+    def copy_pages(self, src, dst):
+        self.copies.append((len(self.calls), list(src), list(dst)))  # before forward n
 
     @property
     def used_tokens(self) -> int:
@@ -43,7 +49,7 @@ class FakeEngine:
         self.pool = FakePool(pages, page_size)
         self.max_batch_tokens = budget
         self.calls: list[list] = []
-        self.copies: list[tuple[int, list[int], list[int]]] = []
+        self.pool.calls = self.calls
         self.permits = threading.Semaphore(0)
         self.free_run = True
         self.fail_token: int | None = None
@@ -66,9 +72,6 @@ class FakeEngine:
     def launch(self, chunks):
         out = self.forward(chunks)
         return SimpleNamespace(wait=lambda: out, ready=lambda: True)
-
-    def copy_pages(self, src, dst):
-        self.copies.append((len(self.calls), list(src), list(dst)))  # before forward n
 
     def info(self) -> EngineInfo:
         pool = self.pool
@@ -106,8 +109,8 @@ async def started(engine: FakeEngine, **kw) -> Scheduler:
     return s
 
 
-def req(ids, **params) -> Prompt:
-    """A prompt whose `future` (on the running loop) gets its result or error."""
+def settled() -> tuple[asyncio.Future, Callable]:
+    """A future on the running loop and the OnDone (any thread) that settles it."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
@@ -116,7 +119,12 @@ def req(ids, **params) -> Prompt:
             if not fut.done():
                 fut.set_exception(exc) if exc else fut.set_result(result)
         loop.call_soon_threadsafe(settle)
+    return fut, on_done
 
+
+def req(ids, **params) -> Prompt:
+    """A prompt whose `future` (on the running loop) gets its result or error."""
+    fut, on_done = settled()
     p = Prompt(list(ids), SamplingParams(**params), on_done)
     p.future = fut
     return p

@@ -15,27 +15,15 @@ from service.engine.pages import common_prefix
 from service.engine.prompt import shared_query
 from service.engine.scheduler import Scheduler
 from tests.engine.helpers import PAGE, engine_cfg, prompts, tiny_loaded
-from tests.engine.test_scheduler import FakeEngine, run, start, started, until
+from tests.engine.test_scheduler import FakeEngine, run, settled, start, started, until
 
 LABELS = (3, 50, 96, 0)
 
 
 def group(ids: list[list[int]], shared: int, params: SamplingParams):
     """shared_query's prompts, with futures for the items' results and the query's failure."""
-    loop = asyncio.get_running_loop()
-
-    def callback():
-        fut = loop.create_future()
-
-        def on_done(result, exc) -> None:
-            def settle() -> None:
-                if not fut.done():
-                    fut.set_exception(exc) if exc else fut.set_result(result)
-            loop.call_soon_threadsafe(settle)
-        return fut, on_done
-
-    items = [callback() for _ in ids]
-    query = callback()
+    items = [settled() for _ in ids]
+    query = settled()
     ps = shared_query([np.asarray(i, dtype=np.int64) for i in ids], shared, params,
                       [cb for _, cb in items], query[1])
     return ps, [f for f, _ in items], query[0]
@@ -109,7 +97,7 @@ def test_items_wait_for_the_query_and_its_pages() -> None:
                 assert c.pages[:3] == qchunk.pages[:3]
         for n, call in enumerate(eng.calls[1:], 1):
             # each item's own copy of the query's page 4, made just before its forward
-            made = {d: s for at, src, dst in eng.copies if at == n for s, d in zip(src, dst)}
+            made = {d: s for at, src, dst in eng.pool.copies if at == n for s, d in zip(src, dst)}
             assert {made.get(c.pages[3]) for c in call} == {qchunk.pages[3]}
         assert s.kv_used_tokens == 0
         s.stop()
