@@ -48,8 +48,27 @@ def test_scores_match_transformers(api, core, smollm2_hf) -> None:
     usage = out["usage"]
     assert usage["prompt_tokens"] == usage["total_tokens"] == total
     assert usage["completion_tokens"] == 0
+
+
+def test_the_query_is_prefilled_apart_once_that_saves_enough(make_app, core) -> None:
+    """A query shared by the items is prefilled once when that saves MIN_SAVED_TOKENS
+    (shared x (items - 1)); below, the prompts run whole. Either way the scores agree."""
+    from service.api.routes_score import MIN_SAVED_TOKENS
+
+    app = make_app(prefix_cache="false")
+    n = MIN_SAVED_TOKENS // 2 + 8  # two items save less than the bar, three more
+    query = (core.tokenizer.encode(QUERY) * (n // 8))[:n]
+    lab = labels(core)
+    two = score(app, query=query, items=[[11], [12]], label_token_ids=lab)
+    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    forwards = len(app.engine.forwards)
+    three = score(app, query=query, items=[[11], [12], [13]], label_token_ids=lab)
     # the query's tokens are prefilled once and count as cached for every item
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= (len(ITEMS) * 16)
+    assert three["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * n
+    held = [len(c) for f in app.engine.forwards[forwards:] for c in f]
+    assert sum(held) == n + 3
+    for a, b in zip(three["scores"][:2], two["scores"], strict=True):
+        assert [math.log(x) for x in a] == pytest.approx([math.log(x) for x in b], abs=1e-4)
 
 
 def test_shared_query_scores_equal_single_prompts(make_app, core) -> None:
@@ -57,7 +76,7 @@ def test_shared_query_scores_equal_single_prompts(make_app, core) -> None:
     the prefix cache off, a query of several pages and one the forward budget splits, and
     items split across forwards: token ids in, every score within 1e-4 in logprob."""
     app = make_app(prefix_cache="false", max_batch_prompts=3, max_batch_tokens=64)
-    query = core.tokenizer.encode(QUERY * 4)[:150]
+    query = core.tokenizer.encode(QUERY * 8)[:150]
     items = [core.tokenizer.encode(w)[:k] for w, k in
              ((" Paris is lovely", 3), (" no", 1), (" London, sadly", 4), (" Lyon", 2),
               (" Nice", 1), (" Marseille or Rome", 5), (" Tours", 2))]
@@ -90,7 +109,7 @@ def test_item_first_and_whole_prompt_items(api, core) -> None:
 
 def test_score_metrics(make_app, core) -> None:
     app = make_app()
-    query = core.tokenizer.encode(QUERY * 3)
+    query = core.tokenizer.encode(QUERY * 16)  # long enough that sharing it pays
     score(app, query=query, items=[[11], [12, 13], [14]], label_token_ids=labels(core))
     text = app.get("/metrics").text
     assert metric(text, "prefill_score_queries_total") == 1
