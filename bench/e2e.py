@@ -93,7 +93,9 @@ def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True,
                         cuda_graph_full_max_tokens=1024 if full else 0, fold_norms=fold)
 
 
-def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> dict:
+def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator,
+                profiled: tuple[tuple[int, int], ...] = ()) -> dict:
+    """Each case's median ms and mode; cases in `profiled` also get a profile (under "profile")."""
     out = {}
     for bs, s in CASES:
         ids = torch.randint(0, cfg.vocab_size, (bs, s), generator=gen).tolist()
@@ -104,12 +106,15 @@ def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator) -> d
         mode = engine.forward(chunks).mode
         out[f"{bs}x{s}"] = dict(ms=ms, mode="full-graph" if engine.runs.get("full", 0) > full
                                 else mode)
+        if (bs, s) in profiled:
+            out[f"{bs}x{s}"]["profile"] = profile(engine.forward, chunks, f"{cfg.name} {bs}x{s}")
         for p in pages:
             engine.pool.allocator.free(p)
     return out
 
 
-def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
+def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator,
+             profiled: tuple[tuple[int, int], ...] = ()) -> dict:
     cfg, model = loaded.cfg, loaded.model
     model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton",
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -119,7 +124,7 @@ def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator) -> dict:
                                    full=variant != "ours-breakable", fold=not unfolded),
                         loaded=loaded)
     try:
-        out = _time_cases(engine, cfg, gen)
+        out = _time_cases(engine, cfg, gen, profiled)
         out["_memory"] = dataclasses.asdict(engine.memory)
     finally:
         engine.close()
@@ -167,7 +172,18 @@ def run_hf(m, cfg: ModelConfig, gen: torch.Generator) -> dict:
     return out
 
 
+KERNEL_CLASSES = (("attention", ("attention",)),
+                  ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
 def profile(engine_forward, chunks, label: str, top: int = 12) -> dict:
+    """One forward under torch.profiler: wall, the GPU's busy span (first kernel's start to the
+    last one's end), kernel time by class (gemm / attention / other) and the top kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprof
 
@@ -179,16 +195,23 @@ def profile(engine_forward, chunks, label: str, top: int = 12) -> dict:
         engine_forward(chunks)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
-    kernels = {}
+    kernels, classes, first, last = {}, {}, float("inf"), 0.0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
+            ms = ev.device_time_total / 1e3 if hasattr(ev, "device_time_total") else 0.0
             k = kernels.setdefault(ev.name, [0.0, 0])
-            k[0] += ev.device_time_total / 1e3 if hasattr(ev, "device_time_total") else 0.0
+            k[0] += ms
             k[1] += 1
+            c = classes.setdefault(kernel_class(ev.name), [0.0, 0])
+            c[0] += ms
+            c[1] += 1
+            first, last = min(first, ev.time_range.start), max(last, ev.time_range.end)
     total = sum(v[0] for v in kernels.values())
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
-    return dict(label=label, wall_ms=wall, kernel_ms=total, launches=sum(v[1] for v in
-                                                                         kernels.values()),
+    return dict(label=label, wall_ms=wall, kernel_ms=total,
+                span_ms=max(last - first, 0.0) / 1e3,
+                classes={c: dict(ms=v[0], calls=v[1]) for c, v in classes.items()},
+                launches=sum(v[1] for v in kernels.values()),
                 top=[dict(name=n[:90], ms=v[0], calls=v[1], share=v[0] / max(total, 1e-9))
                      for n, v in rows])
 
