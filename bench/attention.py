@@ -5,7 +5,8 @@
 plain Triton kernel (kernels/extend_attention.py, table config) otherwise; "ours-sm90" and
 "ours-triton" force one of them.
 
-Cases: causal single sequences (S = 512 .. 16k, head_dim 64/128, 32q/8kv and 16q/2kv heads); a
+Cases: causal single sequences (S = 512 .. 16k, head_dim 64/128, 32q/8kv and 16q/2kv heads);
+batches of equal short prompts (64 x 128, 16 x 512, 8 x 1k) that SDPA takes as one call; a
 varlen batch of 64 prompts (lengths uniform in 100..4000, seed 0) that SDPA runs padded (is_causal
 is exact on right-padded rows, so no mask is needed; the pad/unpad copies are timed) and as a
 per-sequence loop; an extend case (1k new tokens on an 8k cached prefix, page size 16 and 1) that
@@ -304,6 +305,33 @@ def varlen_case(args, cuda, device, dtype, rows):
         rows.append(ours_row(batch, cfg, vname, flops, ref, cuda, info))
 
 
+def short_cases(args, cuda, device, dtype, rows):
+    """Batches of equal short prompts (B x S = 8,192 rows): SDPA takes them as one (B, H, S, D)
+    call; ours as the service binds them (row count and prefix-freedom known)."""
+    shapes = [(3, 16)] if args.dry_run else [(64, 128), (16, 512), (8, 1024)]
+    dims = [64] if args.dry_run else [64, 128]
+    heads = [(4, 2)] if args.dry_run else [(32, 8), (16, 2)]
+    for H, KVH in heads:
+        for D in dims:
+            for n, S in shapes:
+                batch = Paged([S] * n, [0] * n, H, KVH, D, 16, device, dtype, seed=n + D)
+                flops = n * 4 * S * S * D * H / 2
+                info = dict(case="short", H=H, KVH=KVH, D=D, S=f"{n} x {S}")
+                q4, k4, v4 = (x.view(n, S, -1, D).transpose(1, 2)
+                              for x in (batch.q, batch.k, batch.v))
+                make = lambda b, q4=q4, k4=k4, v4=v4: sdpa_runner(b, q4, k4, v4, is_causal=True)
+                ref = None
+                for name in BACKENDS:
+                    ms, how, out, ms_graph = timed_sdpa(name, make, cuda, graph=cuda)
+                    if out is not None and ref is None:
+                        ref = out.transpose(1, 2).reshape(n * S, H, D)
+                    rows.append(dict(info, kernel=f"sdpa-{name}", ms=ms, tflops=tflops(flops, ms),
+                                     ms_graph=ms_graph, tflops_graph=tflops(flops, ms_graph),
+                                     how=how))  # fmt: skip
+                cfg = INTERPRETER_CONFIG if not cuda else None
+                rows.append(ours_row(batch, cfg, "table", flops, ref, cuda, info, graph=cuda))
+
+
 def extend_cases(args, cuda, device, dtype, rows):
     new, prefix = (16, 48) if args.dry_run else (1024, 8192)
     H, KVH, D = (4, 2, 64) if args.dry_run else (32, 8, 128)
@@ -430,13 +458,14 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny cases, CPU interpreter")
     parser.add_argument("--small", action="store_true",
                         help="only the causal cases at S = 512 and 1k (a quick re-check)")
-    parser.add_argument("--cases", default="causal,varlen,extend",
-                        help="comma-separated subset of causal,varlen,extend")
+    parser.add_argument("--cases", default="causal,short,varlen,extend",
+                        help="comma-separated subset of causal,short,varlen,extend")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the cases this many times in one process (each row gets "
                              "'rep' and its kernel name a ' (rep N)' suffix)")
     args = parser.parse_args()
-    steps = {"causal": causal_cases, "varlen": varlen_case, "extend": extend_cases}
+    steps = {"causal": causal_cases, "short": short_cases, "varlen": varlen_case,
+             "extend": extend_cases}
     picked = [steps[c] for c in args.cases.split(",")]
     if args.small:
         picked = [causal_cases]

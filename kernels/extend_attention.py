@@ -34,6 +34,9 @@ _LOG2E = 1.0 / math.log(2.0)  # exp2 softmax: log2(e) folded into the scale
 
 SM90_MIN_TOKENS = 4096  # Hopper kernel from here: binding its TMA descriptors costs host time
 SM90_MIN_TOKENS_PREPARED = 1024  # prepare_extend_attention binds once for every layer
+# Its 128-row tiles pay a warp-specialized prologue each: below this many rows a sequence, the
+# Triton kernel's small tiles are faster (H200, 64 x 128 rows, D128: 83 against 107 TFLOP/s)
+SM90_MIN_Q_LEN = 512
 
 
 def extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -103,9 +106,12 @@ def prepare_extend_attention(
 
 
 def _use_sm90(q, k, v, out, batch: VarlenBatch, config, wrap, min_tokens: int) -> bool:
-    """Hopper: prefix-free, >= min_tokens known rows, head_dim 128 (64: Triton's is faster)."""
+    """Hopper: prefix-free, >= min_tokens known rows, sequences of >= SM90_MIN_Q_LEN rows,
+    head_dim 128 (64: Triton's is faster)."""
     n = batch.num_tokens
     if batch.max_prefix_len != 0 or n is None or config is not None or wrap is not None:
+        return False
+    if batch.max_q_len < SM90_MIN_Q_LEN:
         return False
     if q.shape[2] != 128 or n < min_tokens or n > q.shape[0]:
         return False
@@ -150,7 +156,7 @@ def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, confi
     if B == 0 or batch.max_q_len <= 0 or T == 0:
         return None
 
-    cfg = config or pick_config(D, dtype, q.device, batch.max_q_len)
+    cfg = config or pick_config(D, dtype, q.device, batch.max_q_len, batch.max_prefix_len)
     assert cfg.block_m % cfg.block_n == 0, "BLOCK_M must be a multiple of BLOCK_N"
     d_pad = max(16, triton.next_power_of_2(D))
     use_tma = cfg.use_tma and T >= cfg.tma_min_tokens and d_pad == D and dtype != torch.float32

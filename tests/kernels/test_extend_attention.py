@@ -1,5 +1,6 @@
 """extend_attention (Triton) against extend_attention_ref on awkward shapes; ref against math."""
 
+import functools
 import math
 from dataclasses import replace
 
@@ -197,3 +198,16 @@ def test_cache_addresses_read_at_launch(H, KVH, D, dtype, device, close, attn_ba
     ref = extend_attention_ref(q, k, v, other_k, other_v, vb)
     close(out[:n].float(), ref[:n].float(), dtype, "o")
     assert torch.isnan(out[n:]).all(), "padded rows untouched"
+
+
+def test_config_tiers_follow_rows_and_prefix(monkeypatch):
+    """The prefix-free tiers serve batches without a known cached prefix (full graphs bind
+    none), the small tiers every batch, the table what neither covers."""
+    from kernels import extend_attention_config as ec
+
+    table, a, b, c = (ec.AttnConfig(m, 16, 4, 1) for m in (128, 16, 32, 64))
+    monkeypatch.setattr(ec, "_entries", lambda *_: (table, ((256, a), (2048, b)), ((1024, c),)))
+    pick = functools.partial(ec.pick_config, 64, torch.bfloat16, torch.device("cpu"))
+    assert pick(100, 0) is a and pick(100, None) is a and pick(100, 16) is c
+    assert pick(1024, 0) is b and pick(1024, 512) is c and pick(2048, None) is b
+    assert pick(2049, 0) is table and pick(2048, 16) is table and pick() is table

@@ -13,7 +13,7 @@ from kernels.extend_attention import (
     extend_attention_ref,
     pick_config,
 )
-from kernels.extend_attention_config import CONFIGS
+from kernels.extend_attention_config import CONFIGS, PREFIX_FREE_CONFIGS, SMALL_CONFIGS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,13 +72,19 @@ def test_every_head_dim_and_dtype_compiles(D, dtype, close, attn_batch):
     close(o[:n].float(), ref[:n], dtype, f"D={D} {dtype}")
 
 
-@pytest.mark.parametrize("key", sorted(CONFIGS), ids=str)
-def test_table_configs(key, close, attn_batch):
+TABLE = [(key, "table", cfg) for key, cfg in CONFIGS.items()] + [
+    (key, f"{name} <= {bound}", cfg) for name, tiers in (("prefix-free", PREFIX_FREE_CONFIGS),
+                                                         ("small", SMALL_CONFIGS))
+    for key, entries in tiers.items() for bound, cfg in entries]
+
+
+@pytest.mark.parametrize("key, tier, config", TABLE, ids=[f"{k}-{t}" for k, t, _ in TABLE])
+def test_table_configs(key, tier, config, close, attn_batch):
     major, d_pad = key
     if torch.cuda.get_device_capability()[0] != major:
         pytest.skip("config for another GPU generation")
     batch = attn_batch([700, 64, 5], [100, 0, 3], 16, 8, 2, d_pad, BF16, "cuda", pad=2)
-    _check(batch, close, config=CONFIGS[key])
+    _check(batch, close, config=config)
 
 
 def test_custom_ops_opcheck():
@@ -330,6 +336,10 @@ def test_sm90_is_what_prefix_free_batches_take(close, attn_batch, monkeypatch):
     extend_attention(*b.args(num_tokens=b.T))  # prefix unknown: the plain kernel
     extend_attention(*b.args(max_prefix_len=0))  # row count unknown: the plain kernel
     assert len(calls) == 1
+    short = attn_batch([128] * 40, [0] * 40, 16, 8, 2, 128, BF16, "cuda")  # < SM90_MIN_Q_LEN
+    o = extend_attention(*short.args(max_prefix_len=0, num_tokens=short.T))
+    assert len(calls) == 1, "short sequences take the plain kernel"
+    close(o.float(), extend_attention_ref(*short.args(torch.float32)), BF16, "short")
     slots = torch.arange(b.T, device="cuda", dtype=torch.int64) + 3
     out = b.poisoned_out()
     attend, _ = ea.prepare_extend_attention(*b.args(max_prefix_len=0, num_tokens=b.T), out=out,
