@@ -1,9 +1,9 @@
 """Extend attention (ours) against PyTorch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION, bf16.
 
-"ours-table" is what the service runs: on a Hopper GPU the warp-specialized Gluon kernel
-(kernels/extend_attention_sm90.py) for prefix-free head_dim-128 batches of >= 4096 rows, the
-plain Triton kernel (kernels/extend_attention.py, table config) otherwise; "ours-sm90" and
-"ours-triton" force one of them.
+"ours-table" is what the service runs for one call: on a Hopper GPU the warp-specialized Gluon
+kernel (kernels/extend_attention_sm90.py) for prefix-free head_dim-128 batches of >= 4096 rows in
+sequences of >= 512, the plain Triton kernel (kernels/extend_attention.py, its config by rows a
+sequence and prefix) otherwise; "ours-sm90" and "ours-triton" (the table config) force one.
 
 Cases: causal single sequences (S = 512 .. 16k, head_dim 64/128, 32q/8kv and 16q/2kv heads);
 batches of equal short prompts (64 x 128, 16 x 512, 8 x 1k) that SDPA takes as one call; a

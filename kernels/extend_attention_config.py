@@ -34,11 +34,11 @@ SMALL_CONFIGS: dict[tuple[int, int], tuple[tuple[int, AttnConfig], ...]] = {
     (9, 128): ((256, AttnConfig(64, 32, 4, 2)),),
 }
 # Checked first for batches without a cached prefix (or one not known): 64-row tiles, heads
-# first, win there at 512-2k rows (H200, in a graph: D128 1k +45 %, D64 1k +23 %), but lose
-# up to 7 % with a long cached prefix, which every q-block reads again.
+# first, win there (H200, in a graph: D128 1k +42 %, 2k +11 %; D64 1k +18 %), but lose up to
+# 7 % with a long cached prefix, which every q-block reads again, and 5 % at D64 2k, 32 heads.
 PREFIX_FREE_CONFIGS: dict[tuple[int, int], tuple[tuple[int, AttnConfig], ...]] = {
     (9, 64): ((256, AttnConfig(64, 64, 4, 2, prefetch_pages=False)),
-              (2048, AttnConfig(64, 64, 4, 3, heads_first=True, prefetch_pages=False))),
+              (1024, AttnConfig(64, 64, 4, 3, heads_first=True, prefetch_pages=False))),
     (9, 128): ((256, AttnConfig(64, 32, 4, 2)),
                (2048, AttnConfig(64, 64, 4, 3, heads_first=True))),
 }
