@@ -28,15 +28,17 @@ CONFIGS: dict[tuple[int, int], AttnConfig] = {
     (9, 128): AttnConfig(128, 64, 8, 3, use_tma=True),
     (9, 256): AttnConfig(64, 64, 4, 2),
 }
-# (bound, config): smaller tiles, more programs, for batches of at most `bound` new tokens a row
-SMALL_CONFIGS: dict[tuple[int, int], tuple[tuple[int, AttnConfig], ...]] = {
+# (bound, config) pairs in rising order: the first whose bound covers max_q_len serves a batch
+Tiers = tuple[tuple[int, AttnConfig], ...]
+# smaller tiles, more programs, for batches of at most `bound` new tokens a row
+SMALL_CONFIGS: dict[tuple[int, int], Tiers] = {
     (9, 64): ((1024, AttnConfig(64, 64, 4, 3, prefetch_pages=False)),),
     (9, 128): ((256, AttnConfig(64, 32, 4, 2)),),
 }
 # Checked first for batches without a cached prefix (or one not known): 64-row tiles, heads
 # first, win there (H200, in a graph: D128 1k +42 %, 2k +11 %; D64 1k +18 %), but lose up to
 # 7 % with a long cached prefix, which every q-block reads again, and 5 % at D64 2k, 32 heads.
-PREFIX_FREE_CONFIGS: dict[tuple[int, int], tuple[tuple[int, AttnConfig], ...]] = {
+PREFIX_FREE_CONFIGS: dict[tuple[int, int], Tiers] = {
     (9, 64): ((256, AttnConfig(64, 64, 4, 2, prefetch_pages=False)),
               (1024, AttnConfig(64, 64, 4, 3, heads_first=True, prefetch_pages=False))),
     (9, 128): ((256, AttnConfig(64, 32, 4, 2)),
@@ -62,9 +64,6 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device,
             if max_q_len <= bound:
                 return cfg
     return table
-
-
-Tiers = tuple[tuple[int, AttnConfig], ...]
 
 
 @functools.lru_cache(maxsize=64)

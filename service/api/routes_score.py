@@ -107,8 +107,7 @@ async def score(body: ScoreRequest, state: State, request: Request) -> Response:
     shared = shared_tokens(state, prompts)
     results = await run_prompts(state, request, prompts,
                                 SamplingParams(logprob_token_ids=labels), shared)
-    out = [scores(r.next.named or [], body.apply_softmax)
-           for r in results]
+    out = [scores(r.next.named, body.apply_softmax) for r in results]
     state.metrics.on_score(len(prompts), shared)
     state.metrics.count("ok")
     tokens = sum(r.prompt_tokens for r in results)

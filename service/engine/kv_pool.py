@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from service.engine.host_copy import to_device
@@ -61,7 +63,7 @@ class KVPool:
         self.allocator = PageAllocator(num_pages)
         self.page_size = page_size
 
-    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """KV of page src[i] -> page dst[i] in every layer, on the current stream."""
         ps = self.page_size
         offs = torch.arange(ps, dtype=torch.int64)

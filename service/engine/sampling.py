@@ -95,15 +95,6 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=gen or make_generator(params.seed)))
 
 
-def named_logprobs(logits: torch.Tensor, ids: tuple[int, ...]) -> list[list[float]]:
-    """Per row of (N, V) logits, the logprobs of `ids`, reduced on the logits' device."""
-    idx = torch.tensor(ids, dtype=torch.int64, device=logits.device)
-    rows = []
-    for lo in range(0, logits.shape[0], PROMPT_ROWS_PER_STEP):
-        rows += log_softmax(logits[lo:lo + PROMPT_ROWS_PER_STEP]).index_select(-1, idx).tolist()
-    return rows
-
-
 def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
                ) -> torch.Tensor:
     """(len(rows), longest ids) fp32: the logprobs of `ids[i]` under logits row `rows[i]`, one
@@ -156,6 +147,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int,
         parts.append(torch.cat([lp.gather(-1, tgt[lo:lo + lp.shape[0], None]).double(),
                                 ids.double(), vals.double()], dim=-1))  # (rows, 1 + 2k)
     packed = torch.cat(parts)
-    per_row = named_logprobs(logits, named) if named else [None] * len(targets)
+    per_row = (named_rows(logits, list(range(len(targets))), [named]).tolist() if named
+               else [None] * len(targets))
     return [PositionLogprobs(TokenLogprob(t, r[0]), _pairs(r[1:1 + k], r[1 + k:]), n)
             for t, r, n in zip(targets, packed.tolist(), per_row)]

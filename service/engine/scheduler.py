@@ -291,10 +291,9 @@ class Scheduler:
         self.launching_since = time.monotonic()
         try:
             if copies := [r for r, _ in batch if r.copy_tail is not None]:
-                src, dst = zip(*(r.copy_tail for r in copies))
                 # on this thread's stream: after the forwards launched, before the next (the
                 # runners' stream waits for the caller's)
-                self.engine.pool.copy_pages(list(src), list(dst))
+                self.engine.pool.copy_pages(*zip(*(r.copy_tail for r in copies)))
                 for r in copies:
                     r.copy_tail = None
             return batch, self.engine.launch([c for _, c in batch])
