@@ -55,6 +55,7 @@ from kernels.extend_attention import (  # noqa: E402
     AttnConfig,
     VarlenBatch,
     extend_attention,
+    extend_attention_ref,
     pick_config,
     prepare_extend_attention,
 )
@@ -75,6 +76,14 @@ VARIANTS = {
     "triton": TRITON,
     "sm90-qblocks-first": G(heads_first=False),
     "m128n128w8s2-tma": A(128, 128, 8, 2, use_tma=True, tma_min_tokens=0),
+}
+
+
+PACKED_VARIANTS = {
+    "pack-m128n32w8s2": A(128, 32, 8, 2, pack_gqa=True),
+    "pack-m128n64w8s3": A(128, 64, 8, 3, pack_gqa=True),
+    "pack-m64n32w4s2": A(64, 32, 4, 2, pack_gqa=True),
+    "pack-m128n64w8s3-hf": A(128, 64, 8, 3, heads_first=True, pack_gqa=True),
 }
 
 
@@ -330,6 +339,33 @@ def short_cases(args, cuda, device, dtype, rows):
                                      how=how))  # fmt: skip
                 cfg = INTERPRETER_CONFIG if not cuda else None
                 rows.append(ours_row(batch, cfg, "table", flops, ref, cuda, info, graph=cuda))
+                for vname, pcfg in PACKED_VARIANTS.items():  # query heads packed per KV head
+                    if cuda:
+                        rows.append(ours_row(batch, pcfg, vname, flops, ref, cuda, info,
+                                             graph=True))
+
+
+def items_cases(args, cuda, device, dtype, rows):
+    """Scoring's item batches: 64 items of 20 new tokens, each over its own copy of a 1,024- or
+    4,096-token cached query (pages scattered as the pool leaves them). Ours only: SDPA has no
+    paged form; the packed variants load each K/V block once per KV group."""
+    n, new = (3, 4) if args.dry_run else (64, 20)
+    prefixes = [16] if args.dry_run else [1024, 4096]
+    shapes = [(4, 2, 64)] if args.dry_run else [(9, 3, 64), (32, 8, 64), (32, 8, 128)]
+    for H, KVH, D in shapes:
+        for prefix in prefixes:
+            batch = Paged([new] * n, [prefix] * n, H, KVH, D, 16, device, dtype, seed=prefix + D)
+            flops = n * 4 * D * H * (new * prefix + new * new / 2)
+            info = dict(case="items", H=H, KVH=KVH, D=D, S=f"{n} x ({new} new + {prefix} cached)",
+                        page_size=16)
+            q, k, v, kc, vc, vb = (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache,
+                                   batch.varlen)
+            ref = extend_attention_ref(q.float(), k.float(), v.float(), kc.float(), vc.float(), vb)
+            names = {"table": INTERPRETER_CONFIG if not cuda else None}
+            if cuda:
+                names.update(PACKED_VARIANTS)
+            for vname, cfg in names.items():
+                rows.append(ours_row(batch, cfg, vname, flops, ref, cuda, info, graph=cuda))
 
 
 def extend_cases(args, cuda, device, dtype, rows):
@@ -458,14 +494,14 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny cases, CPU interpreter")
     parser.add_argument("--small", action="store_true",
                         help="only the causal cases at S = 512 and 1k (a quick re-check)")
-    parser.add_argument("--cases", default="causal,short,varlen,extend",
-                        help="comma-separated subset of causal,short,varlen,extend")
+    parser.add_argument("--cases", default="causal,short,varlen,extend,items",
+                        help="comma-separated subset of causal,short,varlen,extend,items")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the cases this many times in one process (each row gets "
                              "'rep' and its kernel name a ' (rep N)' suffix)")
     args = parser.parse_args()
     steps = {"causal": causal_cases, "short": short_cases, "varlen": varlen_case,
-             "extend": extend_cases}
+             "extend": extend_cases, "items": items_cases}
     picked = [steps[c] for c in args.cases.split(",")]
     if args.small:
         picked = [causal_cases]

@@ -158,13 +158,20 @@ def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, confi
 
     cfg = config or pick_config(D, dtype, q.device, batch.max_q_len, batch.max_prefix_len)
     assert cfg.block_m % cfg.block_n == 0, "BLOCK_M must be a multiple of BLOCK_N"
+    group = H // KVH
+    pack = group if cfg.pack_gqa and group > 1 else 1
+    # packed: the largest power-of-2 count of positions whose `pack` heads fit in block_m rows
+    rows = cfg.block_m if pack == 1 else 1 << ((cfg.block_m // pack).bit_length() - 1)
+    assert rows >= 1, f"block_m {cfg.block_m} holds no position of {pack} heads"
+    block_n = min(cfg.block_n, rows)  # the diagonal loop starts at a multiple of block_n
     d_pad = max(16, triton.next_power_of_2(D))
     use_tma = cfg.use_tma and T >= cfg.tma_min_tokens and d_pad == D and dtype != torch.float32
     k_desc = v_desc = None
     if use_tma:
-        k_desc, v_desc = (_tma_descriptor(x, cfg.block_n, D) for x in (k, v))
-    n_m = triton.cdiv(batch.max_q_len, cfg.block_m)
-    grid = (H, n_m, B) if cfg.heads_first else (n_m, H, B)
+        k_desc, v_desc = (_tma_descriptor(x, block_n, D) for x in (k, v))
+    n_m = triton.cdiv(batch.max_q_len, rows)
+    heads = H if pack == 1 else KVH
+    grid = (heads, n_m, B) if cfg.heads_first else (n_m, heads, B)
     args = (
         q, k, v, *(cache_table or (k_cache, v_cache)), out, k_desc, v_desc,
         cu, prefix_lens, page_table, store_slots if store_slots is not None else cu,
@@ -174,12 +181,12 @@ def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, confi
     )  # fmt: skip
     meta = dict(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, PAGE_SIZE=batch.page_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=use_tma,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, USE_TMA=use_tma,
         **dot_flags(dtype, q.device.type),
         HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
         STORE_KV=store_slots is not None,
         HAS_PREFIX=batch.max_prefix_len is None or batch.max_prefix_len > 0,
-        CACHE_TABLE=cache_table is not None,
+        CACHE_TABLE=cache_table is not None, PACK=pack, ROWS=rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return Relauncher(_extend_attention_kernel, grid, args, meta, swap, wrap)

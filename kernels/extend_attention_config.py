@@ -11,7 +11,9 @@ import torch
 
 @dataclass(frozen=True)
 class AttnConfig:
-    """Tiles, warps, stages; TMA only from tma_min_tokens rows (descriptors cost host time)."""
+    """Tiles, warps, stages; TMA only from tma_min_tokens rows (descriptors cost host time);
+    pack_gqa: a program's block_m rows hold every query head of one KV head (K/V loaded once
+    per group; block_n is capped at the positions a tile holds)."""
 
     block_m: int
     block_n: int
@@ -21,6 +23,7 @@ class AttnConfig:
     heads_first: bool = False
     tma_min_tokens: int = 4096
     prefetch_pages: bool = True
+    pack_gqa: bool = False
 
 
 CONFIGS: dict[tuple[int, int], AttnConfig] = {

@@ -1,5 +1,7 @@
 """Extend attention's Triton kernel: FlashAttention-2 forward, exp2 online softmax, fp32 acc.
-A program owns BLOCK_M query rows of one sequence and head; D <= 256, padded to a power of 2."""
+A program owns BLOCK_M query rows of one sequence and head; D <= 256, padded to a power of 2.
+With PACK > 1 a program owns ROWS positions of all PACK query heads of one KV head instead
+(row r: position r // PACK, head r % PACK), so each K/V block is loaded once for the group."""
 
 from __future__ import annotations
 
@@ -64,7 +66,10 @@ def _extend_attention_kernel(
     STORE_KV: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     CACHE_TABLE: tl.constexpr,
+    PACK: tl.constexpr,
+    ROWS: tl.constexpr,  # positions a program owns: BLOCK_M, or packed BLOCK_M // PACK or less
 ):
+    # h: the query head, or with PACK > 1 the KV head
     if HEADS_FIRST:  # grid (H, n_m, B): all heads of the longest q-blocks launch first
         h = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -74,11 +79,10 @@ def _extend_attention_kernel(
     b = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + b)
     q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
-    m_block = tl.cdiv(q_len, BLOCK_M) - 1 - pid_m  # longest-work-first within the sequence
+    m_block = tl.cdiv(q_len, ROWS) - 1 - pid_m  # longest-work-first within the sequence
     if m_block < 0:
         return
     prefix_len = tl.load(prefix_lens_ptr + b)
-    kvh = h // kv_group
     if CACHE_TABLE:  # the caches' addresses are data: a captured graph reads them at replay
         # NOTE: a loaded address has no known alignment; without multiple_of the loads go scalar
         elt = tl.pointer_type(q_ptr.dtype.element_ty)
@@ -86,14 +90,23 @@ def _extend_attention_kernel(
         v_cache_ptr = tl.multiple_of(tl.load(v_cache_ptr).to(elt), 16)
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK > 1:
+        kvh = h
+        tile = tl.arange(0, BLOCK_M)
+        offs_m = m_block * ROWS + tile // PACK  # positions, each PACK times
+        m_mask = (offs_m < q_len) & (tile < ROWS * PACK)
+        cols = ((h * PACK + tile % PACK) * HEAD_DIM)[:, None]  # each row's head
+    else:
+        kvh = h // kv_group
+        offs_m = m_block * ROWS + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < q_len
+        cols = h * HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    m_mask = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + h * HEAD_DIM + offs_d[None, :],
+        q_ptr + q_rows[:, None] * stride_qt + cols + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -150,7 +163,7 @@ def _extend_attention_kernel(
     # (b) new tokens strictly below the diagonal block: every key is visible and in bounds
     k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * HEAD_DIM
     v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * HEAD_DIM
-    diag_start = m_block * BLOCK_M
+    diag_start = m_block * ROWS
     for start_n in tl.range(0, diag_start, BLOCK_N):
         if USE_TMA:
             k = k_desc.load([q_start + start_n, kvh * HEAD_DIM]).T
@@ -163,7 +176,7 @@ def _extend_attention_kernel(
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     # (c) the diagonal: causal mask; keys past q_len load as 0 so padded rows stay finite
-    diag_end = tl.minimum(diag_start + BLOCK_M, q_len)
+    diag_end = tl.minimum(diag_start + ROWS, q_len)
     for start_n in range(diag_start, diag_end, BLOCK_N):
         rows = start_n + offs_n
         valid = rows < q_len
@@ -183,19 +196,33 @@ def _extend_attention_kernel(
 
     acc = acc / l_i[:, None]
     tl.store(
-        o_ptr + q_rows[:, None] * stride_ot + h * HEAD_DIM + offs_d[None, :],
+        o_ptr + q_rows[:, None] * stride_ot + cols + offs_d[None, :],
         acc.to(o_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
     if STORE_KV:
-        # one head per KV group stores each new row once; prefix loops never read these slots
-        if h % kv_group == 0:
-            for start_n in range(diag_start, diag_end, BLOCK_N):
-                rows = start_n + offs_n
-                valid = rows < q_len
-                mask = valid[:, None] & d_mask[None, :]
-                slot = tl.load(slot_ptr + q_start + rows, mask=valid, other=0).to(tl.int64)
-                k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=mask)
-                tl.store(kc_base + slot[:, None] * stride_kcs + offs_d[None, :], k, mask=mask)
-                v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=mask)
-                tl.store(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], v, mask=mask)
+        # one program per KV head and q-block stores each new row once (packed: every program;
+        # else the group's first head); prefix loops never read these slots
+        if PACK > 1:
+            _store_new_kv(k_base, v_base, kc_base, vc_base, slot_ptr + q_start, diag_start,
+                          diag_end, q_len, offs_n, offs_d, d_mask, stride_kt, stride_vt,
+                          stride_kcs, stride_vcs, BLOCK_N)
+        elif h % kv_group == 0:
+            _store_new_kv(k_base, v_base, kc_base, vc_base, slot_ptr + q_start, diag_start,
+                          diag_end, q_len, offs_n, offs_d, d_mask, stride_kt, stride_vt,
+                          stride_kcs, stride_vcs, BLOCK_N)
+
+
+@triton.jit
+def _store_new_kv(k_base, v_base, kc_base, vc_base, slot_ptr, row0, row1, q_len, offs_n, offs_d,
+                  d_mask, stride_kt, stride_vt, stride_kcs, stride_vcs, BLOCK_N: tl.constexpr):
+    """Rows [row0, row1) of the new K/V into their cache slots."""
+    for start_n in range(row0, row1, BLOCK_N):
+        rows = start_n + offs_n
+        valid = rows < q_len
+        mask = valid[:, None] & d_mask[None, :]
+        slot = tl.load(slot_ptr + rows, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=mask)
+        tl.store(kc_base + slot[:, None] * stride_kcs + offs_d[None, :], k, mask=mask)
+        v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=mask)
+        tl.store(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], v, mask=mask)

@@ -84,6 +84,19 @@ def test_config_variants(config, device, close, attn_batch):
     _run_and_check(batch, BF16, device, close, config=config)
 
 
+PACKED = AttnConfig(32, 16, 4, 1, pack_gqa=True)
+
+
+@pytest.mark.parametrize("H, KVH", [(4, 1), (6, 2), (7, 1), (4, 4)], ids=str)
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_packed_query_heads(H, KVH, heads_first, device, close, attn_batch):
+    """pack_gqa: one program per KV head holds all its query heads (groups of 4, 3 and 7: full
+    and padded tiles; a group of 1 runs unpacked), with prefixes and a long diagonal."""
+    cfg = replace(PACKED, heads_first=heads_first)
+    batch = attn_batch([40, 7, 70, 1], [16, 9, 0, 33], 16, H, KVH, 64, BF16, device, pad=3)
+    _run_and_check(batch, BF16, device, close, config=cfg)
+
+
 def test_contiguous_inputs_and_explicit_scale(device, close, relerr, attn_batch):
     batch = attn_batch([19, 33], [3, 0], 16, 4, 2, 64, F32, device, fused=False)
     o = extend_attention(*batch.args(), sm_scale=0.3, config=_config(device))
@@ -138,9 +151,11 @@ def test_launcher_asserts(device, attn_batch):
 
 @pytest.mark.parametrize("H,KVH,D,dtype", [(4, 4, 64, F32), (7, 1, 64, BF16), (6, 2, 80, F32),
                                            (8, 2, 128, BF16)])
-def test_fused_kv_store(H, KVH, D, dtype, device, close, attn_batch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_kv_store(H, KVH, D, dtype, packed, device, close, attn_batch):
     """store_slots: the same launch writes every new row's K and V to its slot (as store_kv_ref
-    does) and the attention output is unchanged; slots of the prefix are never touched."""
+    does) and the attention output is unchanged; slots of the prefix are never touched; with
+    packed query heads, each KV head's program stores its rows."""
     qlens, plens = [1, 7, 65, 33], [0, 23, 37, 16]
     batch = attn_batch(qlens, plens, 16, H, KVH, D, dtype, device)
     n = batch.n_valid
@@ -152,7 +167,8 @@ def test_fused_kv_store(H, KVH, D, dtype, device, close, attn_batch):
     store_kv_ref(batch.k[:n], batch.v[:n], want_k, want_v, slots)
     out = batch.poisoned_out()
     q, k, v, kc, vc, vb = batch.args()
-    launch, _ = prepare_extend_attention(q, k, v, kc, vc, vb, out=out, config=_config(device),
+    launch, _ = prepare_extend_attention(q, k, v, kc, vc, vb, out=out,
+                                         config=PACKED if packed else _config(device),
                                          store_slots=slots)
     launch(kc, vc)
     assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0)), "k cache"
