@@ -59,6 +59,7 @@ from kernels.extend_attention import (  # noqa: E402
     pick_config,
     prepare_extend_attention,
 )
+from kernels.extend_attention_config import SMALL_CONFIGS  # noqa: E402
 from kernels.extend_attention_sm90 import (  # noqa: E402
     SM90_CONFIG,
     Sm90Config,
@@ -76,14 +77,6 @@ VARIANTS = {
     "triton": TRITON,
     "sm90-qblocks-first": G(heads_first=False),
     "m128n128w8s2-tma": A(128, 128, 8, 2, use_tma=True, tma_min_tokens=0),
-}
-
-
-PACKED_VARIANTS = {
-    "pack-m128n32w8s2": A(128, 32, 8, 2, pack_gqa=True),
-    "pack-m128n64w8s3": A(128, 64, 8, 3, pack_gqa=True),
-    "pack-m64n32w4s2": A(64, 32, 4, 2, pack_gqa=True),
-    "pack-m128n64w8s3-hf": A(128, 64, 8, 3, heads_first=True, pack_gqa=True),
 }
 
 
@@ -339,21 +332,18 @@ def short_cases(args, cuda, device, dtype, rows):
                                      how=how))  # fmt: skip
                 cfg = INTERPRETER_CONFIG if not cuda else None
                 rows.append(ours_row(batch, cfg, "table", flops, ref, cuda, info, graph=cuda))
-                for vname, pcfg in PACKED_VARIANTS.items():  # query heads packed per KV head
-                    if cuda:
-                        rows.append(ours_row(batch, pcfg, vname, flops, ref, cuda, info,
-                                             graph=True))
 
 
 def items_cases(args, cuda, device, dtype, rows):
-    """Scoring's item batches: 64 items of 20 new tokens, each over its own copy of a 1,024- or
-    4,096-token cached query (pages scattered as the pool leaves them). Ours only: SDPA has no
-    paged form; the packed variants load each K/V block once per KV group."""
-    n, new = (3, 4) if args.dry_run else (64, 20)
-    prefixes = [16] if args.dry_run else [1024, 4096]
+    """Scoring's item batches: 64 items of 20 or 64 new tokens, each over its own copy of a
+    128- to 4,096-token cached query (pages scattered as the pool leaves them). Ours only (SDPA
+    has no paged form): the service's pick (query heads packed per KV head) against the tier
+    that serves these rows unpacked."""
+    n = 3 if args.dry_run else 64
     shapes = [(4, 2, 64)] if args.dry_run else [(9, 3, 64), (32, 8, 64), (32, 8, 128)]
+    sizes = [(4, 16)] if args.dry_run else [(20, 128), (20, 1024), (64, 1024), (20, 4096)]
     for H, KVH, D in shapes:
-        for prefix in prefixes:
+        for new, prefix in sizes:
             batch = Paged([new] * n, [prefix] * n, H, KVH, D, 16, device, dtype, seed=prefix + D)
             flops = n * 4 * D * H * (new * prefix + new * new / 2)
             info = dict(case="items", H=H, KVH=KVH, D=D, S=f"{n} x ({new} new + {prefix} cached)",
@@ -361,9 +351,12 @@ def items_cases(args, cuda, device, dtype, rows):
             q, k, v, kc, vc, vb = (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache,
                                    batch.varlen)
             ref = extend_attention_ref(q.float(), k.float(), v.float(), kc.float(), vc.float(), vb)
+            picked = pick_config(D, dtype, q.device, new, prefix, H // KVH)
+            unpacked = next((c for b, c in SMALL_CONFIGS.get((9, max(64, D)), ())
+                             if b >= new and not c.pack_gqa), None)
             names = {"table": INTERPRETER_CONFIG if not cuda else None}
-            if cuda:
-                names.update(PACKED_VARIANTS)
+            if cuda and picked.pack_gqa and unpacked is not None:
+                names["unpacked-tier"] = unpacked
             for vname, cfg in names.items():
                 rows.append(ours_row(batch, cfg, vname, flops, ref, cuda, info, graph=cuda))
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernels import extend_attention_sm90 as sm90
 from kernels import kv_store
 from kernels._triton import dot_flags, triton
-from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, pick_config
+from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, packing, pick_config
 from kernels.extend_attention_triton import _extend_attention_kernel
 from kernels.launch import CACHE, Relauncher, call_key
 from kernels.varlen import VarlenBatch
@@ -156,13 +156,10 @@ def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, confi
     if B == 0 or batch.max_q_len <= 0 or T == 0:
         return None
 
-    cfg = config or pick_config(D, dtype, q.device, batch.max_q_len, batch.max_prefix_len)
+    cfg = config or pick_config(D, dtype, q.device, batch.max_q_len, batch.max_prefix_len,
+                                H // KVH)
     assert cfg.block_m % cfg.block_n == 0, "BLOCK_M must be a multiple of BLOCK_N"
-    group = H // KVH
-    pack = group if cfg.pack_gqa and group > 1 else 1
-    # packed: the largest power-of-2 count of positions whose `pack` heads fit in block_m rows
-    rows = cfg.block_m if pack == 1 else 1 << ((cfg.block_m // pack).bit_length() - 1)
-    assert rows >= 1, f"block_m {cfg.block_m} holds no position of {pack} heads"
+    pack, rows = packing(cfg, H // KVH)
     block_n = min(cfg.block_n, rows)  # the diagonal loop starts at a multiple of block_n
     d_pad = max(16, triton.next_power_of_2(D))
     use_tma = cfg.use_tma and T >= cfg.tma_min_tokens and d_pad == D and dtype != torch.float32

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.extend_attention_config import tile_thresholds
+from kernels.extend_attention_config import prefix_batch_rows
 from service.config import EngineConfig
 from service.engine.batch import BatchStaging, SeqChunk
 from service.engine.buckets import Buckets, resolve_buckets
@@ -77,9 +77,8 @@ def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_pos
     def prompt(n: int) -> SeqChunk:
         return SeqChunk([1] * n, page_size, [0] * pages_for(page_size + n, page_size))
 
-    small, tma = tile_thresholds()
-    out = [[prompt(16) for _ in range(full_max_seqs + 1)], [prompt(small + 16)],
-           [prompt(tma + 16)]]
+    first, *longer = prefix_batch_rows()
+    out = [[prompt(first) for _ in range(full_max_seqs + 1)], *([prompt(n)] for n in longer)]
     return [b for b in out if sum(c.num_tokens for c in b) <= max_tokens
             and page_size + max(c.num_tokens for c in b) <= max_positions]
 

@@ -226,24 +226,27 @@ def test_staged_batches_reuse_the_bound_break_and_still_match_eager(monkeypatch)
 
 
 def test_warm_up_batches_fit_and_write_only_the_dummy_page():
-    """EngineCore.warm_up's batches: the first has more prompts than a full graph takes, the
-    others more new tokens than the small attention tiles cover; every prompt follows a
-    one-page cached prefix, every page is the dummy page, and none exceeds the batch budget
-    or the context. On the CPU (no graphs) warm-up runs nothing."""
-    from kernels.extend_attention_config import tile_thresholds
+    """EngineCore.warm_up's batches: the first has more prompts than a full graph takes, each
+    other one more new tokens than a smaller tier of the prefix-batch attention configs covers;
+    every prompt follows a one-page cached prefix, every page is the dummy page, and none exceeds
+    the batch budget or the context. On the CPU (no graphs) warm-up runs nothing."""
+    from kernels.extend_attention_config import SMALL_CONFIGS, prefix_batch_rows
     from service.engine.core import warm_up_batches
 
-    small, tma = tile_thresholds()
-    assert 0 < small < tma < 8192 - 32, (small, tma)
+    rows = prefix_batch_rows()
+    bounds = sorted({b for tiers in SMALL_CONFIGS.values() for b, _ in tiers})
+    assert rows[0] <= bounds[0] and len(rows) == len(bounds) + 2, (rows, bounds)
+    assert all(b < n for b, n in zip(bounds, rows[1:])) and rows[-1] < 8192 - 32
     batches = warm_up_batches(8, 16, 8192, 8192)
-    assert len(batches[0]) == 9 and [len(b) for b in batches[1:]] == [1, 1]
-    assert [b[0].num_tokens for b in batches[1:]] == [small + 16, tma + 16]
+    assert len(batches[0]) == 9 and [len(b) for b in batches[1:]] == [1] * (len(rows) - 1)
+    assert [b[0].num_tokens for b in batches] == list(rows)
     for b in batches:
         for c in b:
             assert c.prefix_len == 16 and set(c.pages) == {0}  # page 0: the dummy page
             assert len(c.pages) == -(-(16 + c.num_tokens) // 16) and c.ids is not None
-    assert len(warm_up_batches(8, 16, small, 8192)) == 1  # the budget leaves out the long ones
-    assert len(warm_up_batches(8, 16, 8192, tma)) == 2  # so does the context
+    # the budget and the context leave out the long ones
+    assert len(warm_up_batches(8, 16, rows[-2], 8192)) == len(rows) - 1
+    assert len(warm_up_batches(8, 16, 8192, rows[-1])) == len(rows) - 1
     core = EngineCore(engine_cfg(), loaded=tiny_loaded())
     core.warm_up()
     assert core.forward_counts == {"graph": 0, "eager": 0}

@@ -84,14 +84,15 @@ def test_config_variants(config, device, close, attn_batch):
     _run_and_check(batch, BF16, device, close, config=config)
 
 
-PACKED = AttnConfig(32, 16, 4, 1, pack_gqa=True)
+PACKED = AttnConfig(128, 16, 4, 1, pack_gqa=True)
 
 
-@pytest.mark.parametrize("H, KVH", [(4, 1), (6, 2), (7, 1), (4, 4)], ids=str)
+@pytest.mark.parametrize("H, KVH", [(4, 1), (6, 2), (7, 1), (4, 4), (9, 1)], ids=str)
 @pytest.mark.parametrize("heads_first", [False, True])
 def test_packed_query_heads(H, KVH, heads_first, device, close, attn_batch):
-    """pack_gqa: one program per KV head holds all its query heads (groups of 4, 3 and 7: full
-    and padded tiles; a group of 1 runs unpacked), with prefixes and a long diagonal."""
+    """pack_gqa: one program per KV head holds all its query heads (groups of 4, 3 and 7: 32,
+    32 and 16 positions, full and padded tiles; groups of 1 and 9 run unpacked), with prefixes
+    and a long diagonal."""
     cfg = replace(PACKED, heads_first=heads_first)
     batch = attn_batch([40, 7, 70, 1], [16, 9, 0, 33], 16, H, KVH, 64, BF16, device, pad=3)
     _run_and_check(batch, BF16, device, close, config=cfg)
@@ -227,3 +228,20 @@ def test_config_tiers_follow_rows_and_prefix(monkeypatch):
     assert pick(100, 0) is a and pick(100, None) is a and pick(100, 16) is c
     assert pick(1024, 0) is b and pick(1024, 512) is c and pick(2048, None) is b
     assert pick(2049, 0) is table and pick(2048, 16) is table and pick() is table
+
+
+def test_packed_tier_only_where_the_group_packs(monkeypatch):
+    """A packed entry serves a prefix batch only when its tile holds >= 16 positions of the
+    group's heads; otherwise the next tier does."""
+    from kernels import extend_attention_config as ec
+
+    table, small = ec.AttnConfig(128, 16, 4, 1), ec.AttnConfig(64, 16, 4, 1)
+    packed = ec.AttnConfig(128, 64, 8, 3, pack_gqa=True)
+    monkeypatch.setattr(ec, "_entries", lambda *_: (table, (), ((64, packed), (1024, small))))
+    pick = functools.partial(ec.pick_config, 64, torch.bfloat16, torch.device("cpu"))
+    assert pick(20, 1024, 4) is packed and pick(64, 16, 8) is packed
+    assert pick(20, 1024, 1) is small and pick(20, 1024, 16) is small  # 128 // 16 < 16 positions
+    assert pick(65, 1024, 4) is small
+    assert ec.packing(packed, 4) == (4, 32) and ec.packing(packed, 3) == (3, 32)
+    assert ec.packing(packed, 7) == (7, 16) and ec.packing(packed, 9) == (1, 128)
+    assert ec.packing(small, 4) == (1, 64)
