@@ -1,6 +1,7 @@
 """Full CUDA graphs on a GPU: for every bucket up to 1,024 tokens, a varlen batch with cached
 prefixes replayed through its full graph (attention and KV store inside) equals the eager
-forward of the same padded rows (through the BLAS library the graphs were captured with),
+forward of the same padded rows (through the BLAS library the graphs were captured with, and
+the attention tiles they run: unpacked, since a full graph's rows a sequence are not known),
 logits and stored KV; the KV pool is
 allocated after capture and can change between replays. (The engine core's full graphs:
 tests/engine/test_graph_gpu.py::test_engine_core_sizes_kv_after_capture.)
@@ -47,6 +48,23 @@ def runner(request):
     r.close()
 
 
+@pytest.fixture
+def unpacked_tiles(monkeypatch):
+    """The eager side without the packed prefix-batch tier, so that only the graph machinery
+    can differ from a full graph (packed tiles round differently)."""
+    from kernels import extend_attention_config as ec
+    from kernels.launch import CACHE
+
+    monkeypatch.setattr(ec, "SMALL_CONFIGS", {
+        key: tuple((b, c) for b, c in tiers if not c.pack_gqa)
+        for key, tiers in ec.SMALL_CONFIGS.items()})
+    ec._entries.cache_clear()
+    CACHE.clear()  # launches bound with the packed tier
+    yield
+    ec._entries.cache_clear()
+    CACHE.clear()
+
+
 def test_folded_graphs_match_the_unfolded_model(runner):
     """Full (<= 1,024 tokens) and breakable graphs of a folded model
     against the unfolded model's eager forward: the fold changes only roundings."""
@@ -73,7 +91,7 @@ def kv_rows(pool, chunks):
     return [torch.stack([k[slots], v[slots]]) for k, v in zip(pool.cache.k, pool.cache.v)]
 
 
-def test_full_graph_equals_eager_for_every_small_bucket(runner):
+def test_full_graph_equals_eager_for_every_small_bucket(runner, unpacked_tiles):
     sizes = runner.full.captured
     assert sizes == tuple(n for n in default_ladder(2048) if n <= 1024) and len(sizes) == 38
     pool = KVPool(runner.cfg, 64 * 1024, PAGE, BF16, "cuda")  # allocated after capture
@@ -103,7 +121,7 @@ def test_full_graph_equals_eager_for_every_small_bucket(runner):
             pool.allocator.free(list(c.pages))
 
 
-def test_full_graph_follows_the_pool_it_is_given(runner):
+def test_full_graph_follows_the_pool_it_is_given(runner, unpacked_tiles):
     """Two pools allocated after capture, different prefixes under the same pages."""
     outs = []
     for seed in (1, 2):
