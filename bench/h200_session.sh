@@ -69,7 +69,8 @@ step e2e "${T_E2E:-110}" env OUT="$R" python3 bench/e2e.py --profile \
 # beforehand, e.g. AB_CHANGE=restructure AB_BEFORE="tag before-restructure (42b08ae)". Each
 # benchmark runs before,
 # after, before, after, each run its own process, into $R/ab/{before1,after1,before2,after2};
-# e2e first, then attention, then capture (near-deterministic memory: the one to lose). The
+# e2e first, then attention, then capture (near-deterministic memory: the one to lose;
+# AB_BENCHES picks a subset, e.g. AB_BENCHES=capture). The
 # whole step stays within AB_BUDGET_S: a run is skipped when less than its expected time is
 # left, and cut at the budget. Durations land in $R/ab/times.tsv, the comparison (python3
 # bench/ab_compare.py report) in $R/ab/ab-$AB_CHANGE-*.md. AB_ATTN=small runs
@@ -108,13 +109,18 @@ ab_step() {
   AB_END=$((SECONDS + ${AB_BUDGET_S:-480}))
   mkdir -p "$R/ab"
   printf 'bench\trun\trc\tseconds\tnote\n' > "$R/ab/times.tsv"
-  local run
+  local run benches=" ${AB_BENCHES:-e2e attention capture} "
   for run in before1 after1 before2 after2; do
-    ab_run e2e "$run" "${T_AB_E2E:-150}" "$AB_X_E2E" "${AB_E2E[@]}"; done
+    case $benches in *" e2e "*) ab_run e2e "$run" "${T_AB_E2E:-150}" "$AB_X_E2E" "${AB_E2E[@]}" ;; esac
+  done
   for run in before1 after1 before2 after2; do
-    ab_run attention "$run" "${T_AB_ATTN:-120}" "${AB_X_ATTN:-45}" "${AB_ATT[@]}"; done
+    case $benches in *" attention "*)
+      ab_run attention "$run" "${T_AB_ATTN:-120}" "${AB_X_ATTN:-45}" "${AB_ATT[@]}" ;; esac
+  done
   for run in before1 after1 before2 after2; do
-    ab_run capture "$run" "${T_AB_CAP:-90}" "${AB_X_CAP:-30}" "${AB_CAP[@]}"; done
+    case $benches in *" capture "*)
+      ab_run capture "$run" "${T_AB_CAP:-90}" "${AB_X_CAP:-30}" "${AB_CAP[@]}" ;; esac
+  done
   python3 bench/ab_compare.py report "$R/ab" --out-dir "$R/ab" --change "${AB_CHANGE:-change}" \
     --before "${AB_BEFORE:-the tree in .before}" --known "${AB_KNOWN:-}" > "$R/ab/report.log" 2>&1
   echo "== ab report rc=$? ($(date +%T)): $(tail -1 "$R/ab/report.log")"
