@@ -273,10 +273,15 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
     n_m = -(-batch.max_q_len // tile)
     args = (_descriptor(q, tile), _descriptor(k, tile), _descriptor(v, tile), out, cu,
             scale / math.log(2.0), H // KVH, out.stride(0))
-    meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=config.stages, CONSUMER_REGS=CONSUMER_REGS,
-                HEADS_FIRST=config.heads_first, num_warps=4)
+    meta = launch_meta(D, config)
     grid = (H, n_m, B) if config.heads_first else (n_m, H, B)
     return Relauncher(_attention_kernel, grid, args, meta, (3,))
+
+
+def launch_meta(head_dim: int, config: Sm90Config) -> dict:
+    """The kernel's constexprs and warps for a head_dim and config."""
+    return dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, STAGES=config.stages,
+                CONSUMER_REGS=CONSUMER_REGS, HEADS_FIRST=config.heads_first, num_warps=4)
 
 
 def extend_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch,
