@@ -59,7 +59,6 @@ from kernels.extend_attention import (  # noqa: E402
     pick_config,
     prepare_extend_attention,
 )
-from kernels.extend_attention_config import SMALL_CONFIGS  # noqa: E402
 from kernels.extend_attention_sm90 import (  # noqa: E402
     SM90_CONFIG,
     Sm90Config,
@@ -352,11 +351,9 @@ def items_cases(args, cuda, device, dtype, rows):
                                    batch.varlen)
             ref = extend_attention_ref(q.float(), k.float(), v.float(), kc.float(), vc.float(), vb)
             picked = pick_config(D, dtype, q.device, new, prefix, H // KVH)
-            unpacked = next((c for b, c in SMALL_CONFIGS.get((9, max(64, D)), ())
-                             if b >= new and not c.pack_gqa), None)
             names = {"table": INTERPRETER_CONFIG if not cuda else None}
-            if cuda and picked.pack_gqa and unpacked is not None:
-                names["unpacked-tier"] = unpacked
+            if cuda and picked.pack_gqa:  # a group of 1 never packs: the tier that serves it
+                names["unpacked-tier"] = pick_config(D, dtype, q.device, new, prefix, group=1)
             for vname, cfg in names.items():
                 rows.append(ours_row(batch, cfg, vname, flops, ref, cuda, info, graph=cuda))
 

@@ -92,12 +92,14 @@ def _extend_attention_kernel(
 
     if PACK > 1:
         kvh = h
+        stores_kv = h >= 0  # every program: its rows of its KV head
         tile = tl.arange(0, BLOCK_M)
         offs_m = m_block * ROWS + tile // PACK  # positions, each PACK times
         m_mask = (offs_m < q_len) & (tile < ROWS * PACK)
         cols = ((h * PACK + tile % PACK) * HEAD_DIM)[:, None]  # each row's head
     else:
         kvh = h // kv_group
+        stores_kv = h % kv_group == 0  # the group's first head
         offs_m = m_block * ROWS + tl.arange(0, BLOCK_M)
         m_mask = offs_m < q_len
         cols = h * HEAD_DIM
@@ -201,28 +203,15 @@ def _extend_attention_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
     )
     if STORE_KV:
-        # one program per KV head and q-block stores each new row once (packed: every program;
-        # else the group's first head); prefix loops never read these slots
-        if PACK > 1:
-            _store_new_kv(k_base, v_base, kc_base, vc_base, slot_ptr + q_start, diag_start,
-                          diag_end, q_len, offs_n, offs_d, d_mask, stride_kt, stride_vt,
-                          stride_kcs, stride_vcs, BLOCK_N)
-        elif h % kv_group == 0:
-            _store_new_kv(k_base, v_base, kc_base, vc_base, slot_ptr + q_start, diag_start,
-                          diag_end, q_len, offs_n, offs_d, d_mask, stride_kt, stride_vt,
-                          stride_kcs, stride_vcs, BLOCK_N)
-
-
-@triton.jit
-def _store_new_kv(k_base, v_base, kc_base, vc_base, slot_ptr, row0, row1, q_len, offs_n, offs_d,
-                  d_mask, stride_kt, stride_vt, stride_kcs, stride_vcs, BLOCK_N: tl.constexpr):
-    """Rows [row0, row1) of the new K/V into their cache slots."""
-    for start_n in range(row0, row1, BLOCK_N):
-        rows = start_n + offs_n
-        valid = rows < q_len
-        mask = valid[:, None] & d_mask[None, :]
-        slot = tl.load(slot_ptr + rows, mask=valid, other=0).to(tl.int64)
-        k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=mask)
-        tl.store(kc_base + slot[:, None] * stride_kcs + offs_d[None, :], k, mask=mask)
-        v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=mask)
-        tl.store(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], v, mask=mask)
+        # one program per KV head and q-block stores each new row once (stores_kv); prefix loops
+        # never read these slots
+        if stores_kv:
+            for start_n in range(diag_start, diag_end, BLOCK_N):
+                rows = start_n + offs_n
+                valid = rows < q_len
+                mask = valid[:, None] & d_mask[None, :]
+                slot = tl.load(slot_ptr + q_start + rows, mask=valid, other=0).to(tl.int64)
+                k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=mask)
+                tl.store(kc_base + slot[:, None] * stride_kcs + offs_d[None, :], k, mask=mask)
+                v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=mask)
+                tl.store(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], v, mask=mask)
