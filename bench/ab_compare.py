@@ -51,6 +51,8 @@ def run_attention(argv: list[str]) -> None:
     p.add_argument("--seqs", default="512,1024,2048,8192,16384")
     p.add_argument("--dims", default="64,128")
     p.add_argument("--heads", default="32/8", help="q/kv heads, comma-separated pairs")
+    p.add_argument("--short", default="64x128,16x512,8x1024",
+                   help="batches of equal prompts, NxS comma-separated ('': none)")
     p.add_argument("--dry", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     args = p.parse_args(argv)
     if args.dry:
@@ -73,18 +75,20 @@ def run_attention(argv: list[str]) -> None:
     seqs = [int(x) for x in args.seqs.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     heads = [tuple(int(y) for y in x.split("/")) for x in args.heads.split(",")]
+    short = [tuple(int(y) for y in x.split("x")) for x in args.short.split(",") if x]
     meta = a.run_meta()
     meta["ab_subset"] = dict(seqs=seqs, dims=dims, heads=[f"{h}/{k}" for h, k in heads],
-                             tree=here, script=a.__file__)
+                             short=args.short, tree=here, script=a.__file__)
     if cuda:
         meta["table_config_d128"] = str(a.pick_config(128, dtype, torch.device("cuda")))
         meta["table_config_d64"] = str(a.pick_config(64, dtype, torch.device("cuda")))
     rows = a.Rows()
     for H, KVH in heads:
         for D in dims:
-            for S in seqs:
+            shapes = [(1, S) for S in seqs] + short
+            for n, S in shapes:
                 try:
-                    _causal_shape(a, rows, H, KVH, D, S, cuda, device, dtype)
+                    _causal_shape(a, rows, H, KVH, D, n, S, cuda, device, dtype)
                 except Exception:  # keep what was measured, as bench/attention.py does
                     rows.append(dict(case="causal", H=H, KVH=KVH, D=D, S=S, kernel="-",
                                      how=traceback.format_exc()[-400:]))
@@ -104,26 +108,30 @@ def run_attention(argv: list[str]) -> None:
     print(f"wrote {json_path}")
 
 
-def _causal_shape(a, rows, H, KVH, D, S, cuda, device, dtype) -> None:
-    """One shape of bench/attention.py's causal_cases (the same in both trees), outside its
-    config sweep."""
-    batch = a.Paged([S], [0], H, KVH, D, 16, device, dtype, seed=S + D)
-    flops = 4 * S * S * D * H / 2
-    info = dict(case="causal", H=H, KVH=KVH, D=D, S=S)
-    graph = S <= a.GRAPH_MAX_S
-    q4, k4, v4 = (x.unsqueeze(0).transpose(1, 2) for x in (batch.q, batch.k, batch.v))
+def _causal_shape(a, rows, H, KVH, D, n, S, cuda, device, dtype) -> None:
+    """n prompts of S rows, as bench/attention.py's causal (n = 1) and short cases build them
+    (the same in both trees), outside their variants."""
+    if n == 1:
+        batch = a.Paged([S], [0], H, KVH, D, 16, device, dtype, seed=S + D)
+        info = dict(case="causal", H=H, KVH=KVH, D=D, S=S)
+    else:
+        batch = a.Paged([S] * n, [0] * n, H, KVH, D, 16, device, dtype, seed=n + D)
+        info = dict(case="short", H=H, KVH=KVH, D=D, S=f"{n} x {S}")
+    flops = n * 4 * S * S * D * H / 2
+    graph = n > 1 or S <= a.GRAPH_MAX_S
+    q4, k4, v4 = (x.view(n, S, -1, D).transpose(1, 2) for x in (batch.q, batch.k, batch.v))
     make = lambda b: a.sdpa_runner(b, q4, k4, v4, is_causal=True)
     ref = None
     for name in a.BACKENDS:
         ms, how, out, ms_graph = a.timed_sdpa(name, make, cuda, graph=graph)
         if out is not None and ref is None:
-            ref = out[0].transpose(0, 1)
+            ref = out.transpose(1, 2).reshape(n * S, H, D)
         rows.append(dict(info, kernel=f"sdpa-{name}", ms=ms, tflops=a.tflops(flops, ms),
                          ms_graph=ms_graph, tflops_graph=a.tflops(flops, ms_graph), how=how))
     if not cuda:
         names = {"table": a.INTERPRETER_CONFIG}
     else:  # the service's pick, and at D=128 the Hopper kernel at every S
-        names = {"table": None, **({"sm90": a.SM90_CONFIG} if D == 128 else {}),
+        names = {"table": None, **({"sm90": a.SM90_CONFIG} if D == 128 and n == 1 else {}),
                  **({"triton": a.TRITON} if D == 128 and S >= 4096 else {})}
     for vname, cfg in names.items():
         rows.append(a.ours_row(batch, cfg, vname, flops, ref, cuda, info, graph=graph))

@@ -61,6 +61,7 @@ from kernels.extend_attention import (  # noqa: E402
 )
 from kernels.extend_attention_sm90 import (  # noqa: E402
     SM90_CONFIG,
+    SM90_LOOP_CONFIG,
     Sm90Config,
     extend_attention_sm90,
 )
@@ -76,6 +77,13 @@ VARIANTS = {
     "triton": TRITON,
     "sm90-qblocks-first": G(heads_first=False),
     "m128n128w8s2-tma": A(128, 128, 8, 2, use_tma=True, tma_min_tokens=0),
+}
+
+
+# The Hopper kernel on short sequences: one CTA per tile against CTAs that loop over tiles
+SM90_SHORT_VARIANTS = {
+    "sm90": SM90_CONFIG,
+    "sm90-persistent": SM90_LOOP_CONFIG,
 }
 
 
@@ -217,6 +225,7 @@ def causal_cases(args, cuda, device, dtype, rows):
                     names = {"table": INTERPRETER_CONFIG}
                 else:  # the service's pick, and at D=128 the Hopper kernel at every S
                     names = {"table": None, **({"sm90": SM90_CONFIG} if D == 128 else {}),
+                             **({"sm90-persistent": SM90_LOOP_CONFIG} if S <= 2048 else {}),
                              **({"triton": TRITON} if D == 128 and S >= 4096 else {})}
                 for vname, cfg in names.items():
                     rows.append(ours_row(batch, cfg, vname, flops, ref, cuda, info, graph=graph))
@@ -331,6 +340,8 @@ def short_cases(args, cuda, device, dtype, rows):
                                      how=how))  # fmt: skip
                 cfg = INTERPRETER_CONFIG if not cuda else None
                 rows.append(ours_row(batch, cfg, "table", flops, ref, cuda, info, graph=cuda))
+                for vname, scfg in (SM90_SHORT_VARIANTS.items() if cuda else ()):
+                    rows.append(ours_row(batch, scfg, vname, flops, ref, cuda, info, graph=True))
 
 
 def items_cases(args, cuda, device, dtype, rows):

@@ -4,6 +4,7 @@ their softmax under each other's wgmmas. Contract and reference: kernels/extend_
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,8 +28,8 @@ try:
 except ImportError:  # pragma: no cover - older Triton: the plain kernel serves every batch
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "SM90_CONFIG", "Sm90Config", "extend_attention_sm90", "prepare_sm90",
-           "supported"]
+__all__ = ["HAS_GLUON", "SM90_CONFIG", "SM90_LOOP_CONFIG", "Sm90Config", "extend_attention_sm90",
+           "pick_sm90", "prepare_sm90", "supported"]
 
 BLOCK_M = 64  # query rows per consumer warpgroup (wgmma's M); a CTA owns 2 * BLOCK_M rows
 CONSUMERS = 2
@@ -37,13 +38,26 @@ CONSUMER_REGS = 240  # per thread, after the producer gives its registers back
 
 @dataclass(frozen=True)
 class Sm90Config:
-    """stages: K/V ring depth (2 in use, 1 ahead; 3 fill smem, D=128); heads_first: (H, n_m, B)."""
+    """stages: K/V ring depth (2 in use, 1 ahead; 3 fill smem, D=128); heads_first: tiles in
+    (head, q-block, sequence) order, else (q-block, head, sequence); ctas: at most this many
+    CTAs, each looping over tiles (0: one per SM; tiles then in (head, sequence, q-block)
+    order), so one tile's loads run under another's softmax and stores, and each CTA pays its
+    setup once (None: one CTA per tile)."""
 
     stages: int = 3
     heads_first: bool = True
+    ctas: int | None = None
 
 
 SM90_CONFIG = Sm90Config()
+SM90_LOOP_CONFIG = Sm90Config(ctas=0)
+# Batches of short sequences with at least LOOP_TILES_PER_SM tiles an SM take looping CTAs,
+# each paying the warp-specialized setup once: tiles of one depth share a round, so a static
+# split is balanced (H200, D128 32/8: 16 x 512 284 against 244 TFLOP/s, 8 x 1k 379 against 364).
+# Otherwise one CTA per tile: the hardware hands tiles out, longest first, as SMs free up, which
+# balances tiles of unequal depth better (1 x 1k 349 against 317, 1 x 2k 468 against 458).
+LOOP_MAX_Q_LEN = 1024
+LOOP_TILES_PER_SM = 8
 
 
 def supported(*xs: torch.Tensor) -> bool:
@@ -61,21 +75,66 @@ def supported(*xs: torch.Tensor) -> bool:
 if HAS_GLUON:
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                  q_row, q_col, kv_row, kv_col, n_blocks,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Q, then K/V blocks diagonal first: ring position p holds block (p + n - 1) % n."""
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
-        for p in range(n_blocks):
-            s = p % STAGES
-            # a stage is free once both consumers arrived on it; a fresh barrier passes parity 1
-            mbarrier.wait(kv_empty.index(s), ((p // STAGES) & 1) ^ 1)
-            ready = kv_ready.index(s)
-            row = kv_row + ((p + n_blocks - 1) % n_blocks) * BLOCK_N
-            mbarrier.expect(ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], ready, k_smem.index(s))
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], ready, v_smem.index(s))
+    def _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER: gl.constexpr,
+              TILE: gl.constexpr):
+        """Tile t in launch order: (head, sequence start, length, q-block counted from the end:
+        the longest work of a sequence first; < 0: past the sequence). ORDER (fastest first):
+        0 heads, q-blocks, sequences; 1 q-blocks, heads, sequences; 2 heads, sequences,
+        q-blocks: CTAs looping over tiles take them round by round, and each round then holds
+        tiles of one depth, longest first, so no CTA collects the long ones."""
+        if ORDER == 0:
+            h = t % n_heads
+            pid_m = (t // n_heads) % n_m
+            b = t // (n_heads * n_m)
+        elif ORDER == 1:
+            pid_m = t % n_m
+            h = (t // n_m) % n_heads
+            b = t // (n_heads * n_m)
+        else:
+            h = t % n_heads
+            b = (t // n_heads) % n_seqs
+            pid_m = t // (n_heads * n_seqs)
+        q_start = gl.load(cu_seqlens_q_ptr + b)
+        q_len = gl.load(cu_seqlens_q_ptr + b + 1) - q_start
+        return h, q_start, q_len, gl.cdiv(q_len, TILE) - 1 - pid_m
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, g, row, kv_col,
+                 STAGES: gl.constexpr):
+        """K/V rows [row, row + block) into ring position g's stage, once both consumers freed
+        it (a fresh barrier passes parity 1)."""
+        s = g % STAGES
+        mbarrier.wait(kv_empty.index(s), ((g // STAGES) & 1) ^ 1)
+        ready = kv_ready.index(s)
+        mbarrier.expect(ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], ready, k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], ready, v_smem.index(s))
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
+                  kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  ORDER: gl.constexpr):
+        """Per tile: the diagonal K/V block, Q once both consumers are done with the last one,
+        then the other blocks; ring position base + p holds block (p + n - 1) % n."""
+        i = 0
+        base = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER,
+                                               BLOCK_N)
+            if m_block >= 0:
+                kv_col = (h // kv_group) * HEAD_DIM
+                _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, base,
+                         q_start + m_block * BLOCK_N, kv_col, STAGES)
+                mbarrier.wait(q_empty, (i & 1) ^ 1)
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_start + m_block * BLOCK_N,
+                                                         h * HEAD_DIM], q_bar, q_smem)
+                for p in range(1, m_block + 1):
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, base + p,
+                             q_start + (p - 1) * BLOCK_N, kv_col, STAGES)
+                i += 1
+                base += m_block + 1
 
     @gluon.jit
     def _scores(p, q, k_smem, kv_ready, qk_layout: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -88,10 +147,11 @@ if HAS_GLUON:
                              is_async=True)
 
     @gluon.jit
-    def _consume(q, k_smem, v_smem, kv_ready, kv_empty, qk_scale, row0, diag0, n_blocks,
+    def _consume(q, k_smem, v_smem, kv_ready, kv_empty, qk_scale, row0, diag0, n_blocks, base,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  DIAG_N: gl.constexpr, STAGES: gl.constexpr):
-        """(acc, l) of a consumer's rows: the diagonal's first DIAG_N keys, then blocks 0 .. n-2."""
+        """(acc, l) of a consumer's rows: the diagonal's first DIAG_N keys, then blocks 0 .. n-2
+        (ring positions base .. base + n - 1)."""
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         qkd_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -103,9 +163,10 @@ if HAS_GLUON:
         row_qkd: gl.constexpr = gl.SliceLayout(1, qkd_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        mbarrier.wait(kv_ready.index(0), 0)
+        s0 = base % STAGES
+        mbarrier.wait(kv_ready.index(s0), (base // STAGES) & 1)
         s_d = gl.zeros([BLOCK_M, DIAG_N], gl.float32, qkd_layout)
-        s_d = warpgroup_mma(q, k_smem.index(0).slice(0, DIAG_N).permute((1, 0)), s_d,
+        s_d = warpgroup_mma(q, k_smem.index(s0).slice(0, DIAG_N).permute((1, 0)), s_d,
                             use_acc=False, is_async=True)
         s_d = warpgroup_mma_wait(num_outstanding=0, deps=(s_d,))
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_qkd)
@@ -118,27 +179,28 @@ if HAS_GLUON:
         p_d = gl.convert_layout(e_d.to(v_smem.dtype), p_layout)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         if DIAG_N == BLOCK_N:  # consumer 1: the diagonal's P has the loop's shape
-            acc, l_i = _pipeline(1, n_blocks, q, k_smem, v_smem, kv_ready, kv_empty, p_d, acc,
-                                 m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
+            acc, l_i = _pipeline(1, n_blocks, base, q, k_smem, v_smem, kv_ready, kv_empty, p_d,
+                                 acc, m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
                                  BLOCK_N, STAGES)
         elif n_blocks > 1:  # consumer 0: position 1 peeled, with the half-width PV in flight
-            acc, m_i, l_i, p_op = _advance(1, q, k_smem, v_smem.index(0).slice(0, DIAG_N),
+            acc, m_i, l_i, p_op = _advance(base + 1, q, k_smem, v_smem.index(s0).slice(0, DIAG_N),
                                            kv_ready, kv_empty, p_d, acc, m_i, l_i, qk_scale,
                                            qk_layout, p_layout, row_o, BLOCK_M, BLOCK_N, STAGES)
-            acc, l_i = _pipeline(2, n_blocks, q, k_smem, v_smem, kv_ready, kv_empty, p_op, acc,
-                                 m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
+            acc, l_i = _pipeline(2, n_blocks, base, q, k_smem, v_smem, kv_ready, kv_empty, p_op,
+                                 acc, m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
                                  BLOCK_N, STAGES)
         else:  # consumer 0 of a sequence's first tile: the half diagonal is all there is
-            acc = warpgroup_mma(p_d, v_smem.index(0).slice(0, DIAG_N), acc, is_async=True)
+            acc = warpgroup_mma(p_d, v_smem.index(s0).slice(0, DIAG_N), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(0), count=1)
+            mbarrier.arrive(kv_empty.index(s0), count=1)
         return acc, l_i
 
     @gluon.jit
     def _advance(j, q, k_smem, v_prev, kv_ready, kv_empty, p_prev, acc, m_i, l_i, qk_scale,
                  qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """QK^T(j) while PV(j-1) runs, softmax(j) under that PV, release j-1: (acc, m, l, P_j)."""
+        """QK^T of ring position j while PV(j-1) runs, softmax(j) under that PV, release j-1:
+        (acc, m, l, P_j)."""
         qk = _scores(j, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
         acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T(j) lands first
@@ -152,92 +214,99 @@ if HAS_GLUON:
         return acc, m_new, l_i, gl.convert_layout(p.to(v_prev.dtype), p_layout)
 
     @gluon.jit
-    def _pipeline(j0, n_blocks, q, k_smem, v_smem, kv_ready, kv_empty, p_op, acc, m_i, l_i,
-                  qk_scale, qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Positions j0 .. n-1, p_op holding j0 - 1's P whose PV is not issued; then the last PV."""
-        for j in range(j0, n_blocks):
+    def _pipeline(j0, n_blocks, base, q, k_smem, v_smem, kv_ready, kv_empty, p_op, acc, m_i,
+                  l_i, qk_scale, qk_layout: gl.constexpr, p_layout: gl.constexpr,
+                  row_o: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """Blocks j0 .. n-1 (ring positions from base), p_op holding j0 - 1's P whose PV is not
+        issued; then the last PV."""
+        for j in range(base + j0, base + n_blocks):
             acc, m_i, l_i, p_op = _advance(j, q, k_smem, v_smem.index((j - 1) % STAGES),
                                            kv_ready, kv_empty, p_op, acc, m_i, l_i, qk_scale,
                                            qk_layout, p_layout, row_o, BLOCK_M, BLOCK_N, STAGES)
-        last = (n_blocks - 1) % STAGES
+        last = (base + n_blocks - 1) % STAGES
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(last), count=1)
         return acc, l_i
 
     @gluon.jit
-    def _idle(kv_ready, kv_empty, n_blocks, STAGES: gl.constexpr):
+    def _idle(kv_ready, kv_empty, n_blocks, base, STAGES: gl.constexpr):
         """Rows past the sequence: release each stage once landed (earlier: a later phase)."""
-        for p in range(n_blocks):
+        for p in range(base, base + n_blocks):
             mbarrier.wait(kv_ready.index(p % STAGES), (p // STAGES) & 1)
             mbarrier.arrive(kv_empty.index(p % STAGES), count=1)
 
     @gluon.jit
-    def _consumer(o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                  qk_scale, q_start, q_len, tile_row, o_col, n_blocks,
+    def _consumer(o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                  qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CID: gl.constexpr):
+                  STAGES: gl.constexpr, ORDER: gl.constexpr, CID: gl.constexpr):
+        """Rows CID * BLOCK_M .. of each tile. Every consumer, an idle one too, waits for the
+        tile's Q before releasing it: the next Q loads only once both released this one, so no
+        consumer can arrive twice in one q_empty phase (an idle one that skipped the wait could
+        run a tile ahead and release a Q still in use)."""
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row0 = tile_row + CID * BLOCK_M
-        if row0 < q_len:
-            mbarrier.wait(q_bar, 0)
-            # consumer 0's rows end halfway into the diagonal block: it computes half of it
-            acc, l_i = _consume(q_smem.slice(CID * BLOCK_M, BLOCK_M), k_smem, v_smem, kv_ready,
-                                kv_empty, qk_scale, row0, tile_row, n_blocks, HEAD_DIM, BLOCK_M,
-                                BLOCK_N, (CID + 1) * BLOCK_M, STAGES)
-            acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-            r = row0 + gl.arange(0, BLOCK_M, layout=row_o)
-            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            ptrs = o_ptr + (q_start + r).to(gl.int64)[:, None] * stride_ot + o_col + d[None, :]
-            gl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=(r < q_len)[:, None])
-        else:
-            _idle(kv_ready, kv_empty, n_blocks, STAGES)
+        i = 0
+        base = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER,
+                                               BLOCK_N)
+            if m_block >= 0:
+                tile_row = m_block * BLOCK_N
+                row0 = tile_row + CID * BLOCK_M
+                mbarrier.wait(q_bar, i & 1)
+                if row0 < q_len:
+                    # consumer 0's rows end halfway into the diagonal block: it computes half
+                    acc, l_i = _consume(q_smem.slice(CID * BLOCK_M, BLOCK_M), k_smem, v_smem,
+                                        kv_ready, kv_empty, qk_scale, row0, tile_row,
+                                        m_block + 1, base, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                        (CID + 1) * BLOCK_M, STAGES)
+                    mbarrier.arrive(q_empty, count=1)  # the producer may load the next Q
+                    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+                    r = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+                    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                    ptrs = (o_ptr + (q_start + r).to(gl.int64)[:, None] * stride_ot
+                            + h * HEAD_DIM + d[None, :])
+                    gl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=(r < q_len)[:, None])
+                else:
+                    _idle(kv_ready, kv_empty, m_block + 1, base, STAGES)
+                    mbarrier.arrive(q_empty, count=1)
+                i += 1
+                base += m_block + 1
 
     @gluon.jit
     def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, qk_scale, kv_group,
-                          stride_ot, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                          STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                          stride_ot, n_heads, n_m, n_seqs, n_tiles, HEAD_DIM: gl.constexpr,
+                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):
-        if HEADS_FIRST:
-            h = gl.program_id(0)
-            pid_m = gl.program_id(1)
-        else:
-            pid_m = gl.program_id(0)
-            h = gl.program_id(1)
-        b = gl.program_id(2)
-        TILE: gl.constexpr = 2 * BLOCK_M  # rows per CTA = keys per K/V block
-        q_start = gl.load(cu_seqlens_q_ptr + b)
-        q_len = gl.load(cu_seqlens_q_ptr + b + 1) - q_start
-        m_block = gl.cdiv(q_len, TILE) - 1 - pid_m  # longest-work-first within the sequence
-        if m_block >= 0:
-            tile_row = m_block * TILE
-            n_blocks = m_block + 1
-            dtype: gl.constexpr = q_desc.dtype
-            q_smem = gl.allocate_shared_memory(dtype, [TILE, HEAD_DIM], q_desc.layout)
-            k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], v_desc.layout)
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(q_bar, count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(kv_ready.index(i), count=1)
-                mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
-            o_col = h * HEAD_DIM
-            gl.warp_specialize(  # NOTE: racecheck flags hazards only in here; memcheck is clean
-                [(_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready,
-                              kv_empty, q_start + tile_row, o_col, q_start,
-                              (h // kv_group) * HEAD_DIM, n_blocks, TILE, STAGES)),
-                 (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, kv_ready,
-                              kv_empty, qk_scale, q_start, q_len, tile_row, o_col, n_blocks,
-                              HEAD_DIM, BLOCK_M, TILE, STAGES, 0)),
-                 (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, kv_ready,
-                              kv_empty, qk_scale, q_start, q_len, tile_row, o_col, n_blocks,
-                              HEAD_DIM, BLOCK_M, TILE, STAGES, 1))],
-                [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        TILE: gl.constexpr = 2 * BLOCK_M  # rows per tile = keys per K/V block
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [TILE, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumers are done with Q
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+        gl.warp_specialize(  # NOTE: racecheck flags hazards only in here; memcheck is clean
+            [(_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                          kv_ready, kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs,
+                          n_tiles, HEAD_DIM, TILE, STAGES, ORDER)),
+             (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
+                          kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, 0)),
+             (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
+                          kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, 1))],
+            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def _descriptor(x: torch.Tensor, rows: int):
@@ -248,11 +317,19 @@ def _descriptor(x: torch.Tensor, rows: int):
     return TensorDescriptor(x, [T, heads * D], [x.stride(0), 1], [rows, D], layout)
 
 
+def pick_sm90(n_tiles: int, max_q_len: int, sms: int) -> Sm90Config:
+    """The launch shape for a batch of n_tiles 128-row tiles on `sms` SMs."""
+    if max_q_len <= LOOP_MAX_Q_LEN and n_tiles >= LOOP_TILES_PER_SM * sms:
+        return SM90_LOOP_CONFIG
+    return SM90_CONFIG
+
+
 def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch,
                  sm_scale: float | None, out: torch.Tensor,
-                 config: Sm90Config = SM90_CONFIG) -> Relauncher | None:
+                 config: Sm90Config | None = None) -> Relauncher | None:
     """Check and bind one launch, `launch(o)` (None: nothing to compute). With num_tokens, TMA
-    reads no row past it; without, all T rows may be read as keys and must be finite."""
+    reads no row past it; without, all T rows may be read as keys and must be finite. config
+    None: pick_sm90's."""
     T, H, D = q.shape
     KVH = k.shape[1]
     cu, num_tokens = batch.cu_seqlens_q, batch.num_tokens
@@ -271,22 +348,33 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     tile = CONSUMERS * BLOCK_M
     n_m = -(-batch.max_q_len // tile)
+    n_tiles = H * n_m * B
+    if config is None:
+        config = pick_sm90(n_tiles, batch.max_q_len, _sm_count(q.device))
     args = (_descriptor(q, tile), _descriptor(k, tile), _descriptor(v, tile), out, cu,
-            scale / math.log(2.0), H // KVH, out.stride(0))
+            scale / math.log(2.0), H // KVH, out.stride(0), H, n_m, B, n_tiles)
     meta = launch_meta(D, config)
-    grid = (H, n_m, B) if config.heads_first else (n_m, H, B)
-    return Relauncher(_attention_kernel, grid, args, meta, (3,))
+    ctas = n_tiles
+    if config.ctas is not None:
+        ctas = min(n_tiles, config.ctas or _sm_count(q.device))
+    return Relauncher(_attention_kernel, (ctas,), args, meta, (3,))
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_meta(head_dim: int, config: Sm90Config) -> dict:
     """The kernel's constexprs and warps for a head_dim and config."""
+    order = 2 if config.ctas is not None else 0 if config.heads_first else 1
     return dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, STAGES=config.stages,
-                CONSUMER_REGS=CONSUMER_REGS, HEADS_FIRST=config.heads_first, num_warps=4)
+                CONSUMER_REGS=CONSUMER_REGS, ORDER=order, num_warps=4)
 
 
 def extend_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch,
                           sm_scale: float | None = None, out: torch.Tensor | None = None,
-                          config: Sm90Config = SM90_CONFIG) -> torch.Tensor:
+                          config: Sm90Config | None = None) -> torch.Tensor:
     """o (T, H, D): causal attention of new tokens to themselves (no prefix) on sm_90."""
     if out is None:
         out = q.new_empty(q.shape)

@@ -245,3 +245,18 @@ def test_packed_tier_only_where_the_group_packs(monkeypatch):
     assert ec.packing(packed, 4) == (4, 32) and ec.packing(packed, 3) == (3, 32)
     assert ec.packing(packed, 7) == (7, 16) and ec.packing(packed, 9) == (1, 128)
     assert ec.packing(small, 4) == (1, 64)
+
+
+def test_hopper_kernel_loops_over_many_short_tiles():
+    """Looping CTAs for >= LOOP_TILES_PER_SM tiles an SM of sequences <= LOOP_MAX_Q_LEN rows;
+    one CTA per tile for fewer tiles or longer sequences (tiles of unequal depth)."""
+    from kernels import extend_attention_sm90 as sm90
+
+    loop, one = sm90.SM90_LOOP_CONFIG, sm90.SM90_CONFIG
+    tiles = lambda seqs, rows, heads=32: seqs * heads * -(-rows // 128)
+    assert loop.ctas == 0 and one.ctas is None
+    assert sm90.pick_sm90(tiles(16, 512), 512, 132) is loop
+    assert sm90.pick_sm90(tiles(8, 1024), 1024, 132) is loop
+    assert sm90.pick_sm90(tiles(1, 1024), 1024, 132) is one  # 256 tiles: 2 a CTA
+    assert sm90.pick_sm90(tiles(2, 2048), 2048, 132) is one  # deeper than 1,024 rows
+    assert sm90.pick_sm90(tiles(8, 1024), 1024, 512) is one  # more SMs: too few tiles each

@@ -298,9 +298,11 @@ def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
     ref = extend_attention_ref(*b.args(torch.float32))
     n = b.n_valid
     G = sm90.Sm90Config
-    configs = [sm90.SM90_CONFIG, G(2, heads_first=False)]
+    # few CTAs looping over many tiles: rings and Q phases carried across tiles
+    configs = [sm90.SM90_CONFIG, G(2, heads_first=False), G(ctas=3), G(2, False, ctas=5),
+               G(ctas=0)]
     if D == 64:  # deeper rings fit beside a smaller Q
-        configs += [G(5)]
+        configs += [G(5), G(5, ctas=2)]
     for cfg in configs:
         out = b.poisoned_out()
         res = sm90.extend_attention_sm90(b.q, b.k, b.v, b.meta(max_prefix_len=0, num_tokens=n),

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = [(128, "{}"), (128, '{"stages": 2, "heads_first": false}'), (64, '{"stages": 5}')]
+CASES = [(128, "{}"), (128, '{"stages": 2, "heads_first": false}'), (64, '{"stages": 5}'),
+         (128, '{"ctas": 0}'), (64, '{"stages": 5, "ctas": 0}')]  # CTAs looping over tiles
 
 
 def compile_kernel(head_dim: int, config: str) -> dict:
