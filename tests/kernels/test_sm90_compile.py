@@ -28,9 +28,10 @@ def compile_kernel(head_dim: int, config: str) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import extend_attention_sm90 as sm90
+    from kernels import extend_attention_sm90_kernel as sm90k
 
-    fn = sm90._attention_kernel
-    tile = sm90.CONSUMERS * sm90.BLOCK_M
+    fn = sm90k._attention_kernel
+    tile = sm90k.CONSUMERS * sm90k.BLOCK_M
     layout = gl.NVMMASharedLayout.get_default_for([tile, head_dim], gl.bfloat16)
     desc = f"tensordesc<bf16[{tile}, {head_dim}],{layout!r}>"
     types = {"q_desc": desc, "k_desc": desc, "v_desc": desc, "o_ptr": "*bf16",

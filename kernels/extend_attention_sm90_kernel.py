@@ -1,0 +1,261 @@
+"""The Hopper (sm_90) extend-attention kernel in Gluon: FlashAttention-3's schedule. A producer
+warpgroup streams K/V through a TMA/mbarrier ring; two 64-row consumer warpgroups run their
+softmax under each other's wgmmas; CTAs take one tile each or loop over tiles. Launched by
+kernels/extend_attention_sm90.py."""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - older Triton: the plain kernel serves every batch
+    HAS_GLUON = False
+
+BLOCK_M = 64  # query rows per consumer warpgroup (wgmma's M); a CTA owns 2 * BLOCK_M rows
+CONSUMERS = 2
+CONSUMER_REGS = 240  # per thread, after the producer gives its registers back
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER: gl.constexpr,
+              TILE: gl.constexpr):
+        """Tile t in launch order: (head, sequence start, length, q-block counted from the end:
+        the longest work of a sequence first; < 0: past the sequence). ORDER (fastest first):
+        0 heads, q-blocks, sequences; 1 q-blocks, heads, sequences; 2 heads, sequences,
+        q-blocks: CTAs looping over tiles take them round by round, and each round then holds
+        tiles of one depth, longest first, so no CTA collects the long ones."""
+        if ORDER == 0:
+            h = t % n_heads
+            pid_m = (t // n_heads) % n_m
+            b = t // (n_heads * n_m)
+        elif ORDER == 1:
+            pid_m = t % n_m
+            h = (t // n_m) % n_heads
+            b = t // (n_heads * n_m)
+        else:
+            h = t % n_heads
+            b = (t // n_heads) % n_seqs
+            pid_m = t // (n_heads * n_seqs)
+        q_start = gl.load(cu_seqlens_q_ptr + b)
+        q_len = gl.load(cu_seqlens_q_ptr + b + 1) - q_start
+        return h, q_start, q_len, gl.cdiv(q_len, TILE) - 1 - pid_m
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, g, row, kv_col,
+                 STAGES: gl.constexpr):
+        """K/V rows [row, row + block) into ring position g's stage, once both consumers freed
+        it (a fresh barrier passes parity 1)."""
+        s = g % STAGES
+        mbarrier.wait(kv_empty.index(s), ((g // STAGES) & 1) ^ 1)
+        ready = kv_ready.index(s)
+        mbarrier.expect(ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], ready, k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], ready, v_smem.index(s))
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
+                  kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  ORDER: gl.constexpr):
+        """Per tile: the diagonal K/V block, Q once both consumers are done with the last one,
+        then the other blocks; ring position base + p holds block (p + n - 1) % n."""
+        i = 0
+        base = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER,
+                                               BLOCK_N)
+            if m_block >= 0:
+                kv_col = (h // kv_group) * HEAD_DIM
+                _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, base,
+                         q_start + m_block * BLOCK_N, kv_col, STAGES)
+                mbarrier.wait(q_empty, (i & 1) ^ 1)
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_start + m_block * BLOCK_N,
+                                                         h * HEAD_DIM], q_bar, q_smem)
+                for p in range(1, m_block + 1):
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, base + p,
+                             q_start + (p - 1) * BLOCK_N, kv_col, STAGES)
+                i += 1
+                base += m_block + 1
+
+    @gluon.jit
+    def _scores(p, q, k_smem, kv_ready, qk_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Issue QK^T (async) of ring position p once its stage has landed."""
+        s = p % STAGES
+        mbarrier.wait(kv_ready.index(s), (p // STAGES) & 1)
+        qk = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, qk_layout)
+        return warpgroup_mma(q, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
+    def _consume(q, k_smem, v_smem, kv_ready, kv_empty, qk_scale, row0, diag0, n_blocks, base,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DIAG_N: gl.constexpr, STAGES: gl.constexpr):
+        """(acc, l) of a consumer's rows: the diagonal's first DIAG_N keys, then blocks 0 .. n-2
+        (ring positions base .. base + n - 1)."""
+        qk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        qkd_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DIAG_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_qk: gl.constexpr = gl.SliceLayout(1, qk_layout)
+        row_qkd: gl.constexpr = gl.SliceLayout(1, qkd_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        s0 = base % STAGES
+        mbarrier.wait(kv_ready.index(s0), (base // STAGES) & 1)
+        s_d = gl.zeros([BLOCK_M, DIAG_N], gl.float32, qkd_layout)
+        s_d = warpgroup_mma(q, k_smem.index(s0).slice(0, DIAG_N).permute((1, 0)), s_d,
+                            use_acc=False, is_async=True)
+        s_d = warpgroup_mma_wait(num_outstanding=0, deps=(s_d,))
+        rows = row0 + gl.arange(0, BLOCK_M, layout=row_qkd)
+        keys = diag0 + gl.arange(0, DIAG_N, layout=gl.SliceLayout(0, qkd_layout))
+        s_d = gl.where(rows[:, None] >= keys[None, :], s_d, float("-inf"))
+        m_d = gl.max(s_d, axis=1) * qk_scale  # finite: every row sees its own key
+        e_d = gl.exp2(s_d * qk_scale - m_d[:, None])
+        l_i = gl.convert_layout(gl.sum(e_d, axis=1), row_qk)
+        m_i = gl.convert_layout(m_d, row_qk)
+        p_d = gl.convert_layout(e_d.to(v_smem.dtype), p_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        if DIAG_N == BLOCK_N:  # consumer 1: the diagonal's P has the loop's shape
+            acc, l_i = _pipeline(1, n_blocks, base, q, k_smem, v_smem, kv_ready, kv_empty, p_d,
+                                 acc, m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
+                                 BLOCK_N, STAGES)
+        elif n_blocks > 1:  # consumer 0: position 1 peeled, with the half-width PV in flight
+            acc, m_i, l_i, p_op = _advance(base + 1, q, k_smem, v_smem.index(s0).slice(0, DIAG_N),
+                                           kv_ready, kv_empty, p_d, acc, m_i, l_i, qk_scale,
+                                           qk_layout, p_layout, row_o, BLOCK_M, BLOCK_N, STAGES)
+            acc, l_i = _pipeline(2, n_blocks, base, q, k_smem, v_smem, kv_ready, kv_empty, p_op,
+                                 acc, m_i, l_i, qk_scale, qk_layout, p_layout, row_o, BLOCK_M,
+                                 BLOCK_N, STAGES)
+        else:  # consumer 0 of a sequence's first tile: the half diagonal is all there is
+            acc = warpgroup_mma(p_d, v_smem.index(s0).slice(0, DIAG_N), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(s0), count=1)
+        return acc, l_i
+
+    @gluon.jit
+    def _advance(j, q, k_smem, v_prev, kv_ready, kv_empty, p_prev, acc, m_i, l_i, qk_scale,
+                 qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """QK^T of ring position j while PV(j-1) runs, softmax(j) under that PV, release j-1:
+        (acc, m, l, P_j)."""
+        qk = _scores(j, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
+        acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T(j) lands first
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+        p = gl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        return acc, m_new, l_i, gl.convert_layout(p.to(v_prev.dtype), p_layout)
+
+    @gluon.jit
+    def _pipeline(j0, n_blocks, base, q, k_smem, v_smem, kv_ready, kv_empty, p_op, acc, m_i,
+                  l_i, qk_scale, qk_layout: gl.constexpr, p_layout: gl.constexpr,
+                  row_o: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """Blocks j0 .. n-1 (ring positions from base), p_op holding j0 - 1's P whose PV is not
+        issued; then the last PV."""
+        for j in range(base + j0, base + n_blocks):
+            acc, m_i, l_i, p_op = _advance(j, q, k_smem, v_smem.index((j - 1) % STAGES),
+                                           kv_ready, kv_empty, p_op, acc, m_i, l_i, qk_scale,
+                                           qk_layout, p_layout, row_o, BLOCK_M, BLOCK_N, STAGES)
+        last = (base + n_blocks - 1) % STAGES
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+        return acc, l_i
+
+    @gluon.jit
+    def _idle(kv_ready, kv_empty, n_blocks, base, STAGES: gl.constexpr):
+        """Rows past the sequence: release each stage once landed (earlier: a later phase)."""
+        for p in range(base, base + n_blocks):
+            mbarrier.wait(kv_ready.index(p % STAGES), (p // STAGES) & 1)
+            mbarrier.arrive(kv_empty.index(p % STAGES), count=1)
+
+    @gluon.jit
+    def _consumer(o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                  qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, ORDER: gl.constexpr, CID: gl.constexpr):
+        """Rows CID * BLOCK_M .. of each tile. Every consumer, an idle one too, waits for the
+        tile's Q before releasing it: the next Q loads only once both released this one, so no
+        consumer can arrive twice in one q_empty phase (an idle one that skipped the wait could
+        run a tile ahead and release a Q still in use)."""
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        i = 0
+        base = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER,
+                                               BLOCK_N)
+            if m_block >= 0:
+                tile_row = m_block * BLOCK_N
+                row0 = tile_row + CID * BLOCK_M
+                mbarrier.wait(q_bar, i & 1)
+                if row0 < q_len:
+                    # consumer 0's rows end halfway into the diagonal block: it computes half
+                    acc, l_i = _consume(q_smem.slice(CID * BLOCK_M, BLOCK_M), k_smem, v_smem,
+                                        kv_ready, kv_empty, qk_scale, row0, tile_row,
+                                        m_block + 1, base, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                        (CID + 1) * BLOCK_M, STAGES)
+                    mbarrier.arrive(q_empty, count=1)  # the producer may load the next Q
+                    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+                    r = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+                    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                    ptrs = (o_ptr + (q_start + r).to(gl.int64)[:, None] * stride_ot
+                            + h * HEAD_DIM + d[None, :])
+                    gl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=(r < q_len)[:, None])
+                else:
+                    _idle(kv_ready, kv_empty, m_block + 1, base, STAGES)
+                    mbarrier.arrive(q_empty, count=1)
+                i += 1
+                base += m_block + 1
+
+    @gluon.jit
+    def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, qk_scale, kv_group,
+                          stride_ot, n_heads, n_m, n_seqs, n_tiles, HEAD_DIM: gl.constexpr,
+                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
+        TILE: gl.constexpr = 2 * BLOCK_M  # rows per tile = keys per K/V block
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [TILE, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumers are done with Q
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+        gl.warp_specialize(  # NOTE: racecheck flags hazards only in here; memcheck is clean
+            [(_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                          kv_ready, kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs,
+                          n_tiles, HEAD_DIM, TILE, STAGES, ORDER)),
+             (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
+                          kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, 0)),
+             (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
+                          kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, 1))],
+            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
