@@ -9,6 +9,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -201,6 +202,9 @@ if HAS_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        # 8 contiguous elements (16 bytes) a thread, a row across HEAD_DIM // 8 threads
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
+                                                    [4, 1], [1, 0])
         i = 0
         base = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -216,13 +220,22 @@ if HAS_GLUON:
                                         kv_ready, kv_empty, qk_scale, row0, tile_row,
                                         m_block + 1, base, HEAD_DIM, BLOCK_M, BLOCK_N,
                                         (CID + 1) * BLOCK_M, STAGES)
-                    mbarrier.arrive(q_empty, count=1)  # the producer may load the next Q
                     acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-                    r = row0 + gl.arange(0, BLOCK_M, layout=row_o)
-                    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                    # out through this consumer's Q rows (read for the last time by its last
+                    # QK^T): stored from the wgmma layout, 4 bytes a row per thread, O would
+                    # write every L2 sector twice; read back, each thread stores 16 bytes
+                    q_rows = q_smem.slice(CID * BLOCK_M, BLOCK_M)
+                    q_rows.store(acc.to(o_ptr.dtype.element_ty))
+                    gl.thread_barrier()
+                    o = q_rows.load(out_layout)
+                    gl.thread_barrier()
+                    fence_async_shared()  # before the next Q's TMA writes these rows
+                    mbarrier.arrive(q_empty, count=1)  # the producer may load the next Q
+                    r = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+                    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
                     ptrs = (o_ptr + (q_start + r).to(gl.int64)[:, None] * stride_ot
                             + h * HEAD_DIM + d[None, :])
-                    gl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=(r < q_len)[:, None])
+                    gl.store(ptrs, o, mask=(r < q_len)[:, None])
                 else:
                     _idle(kv_ready, kv_empty, m_block + 1, base, STAGES)
                     mbarrier.arrive(q_empty, count=1)
