@@ -34,9 +34,6 @@ _LOG2E = 1.0 / math.log(2.0)  # exp2 softmax: log2(e) folded into the scale
 
 SM90_MIN_TOKENS = 4096  # Hopper kernel from here: binding its TMA descriptors costs host time
 SM90_MIN_TOKENS_PREPARED = 1024  # prepare_extend_attention binds once for every layer
-# Its 128-row tiles pay a warp-specialized prologue each: below this many rows a sequence, the
-# Triton kernel's small tiles are faster (H200, 64 x 128 rows, D128: 83 against 107 TFLOP/s)
-SM90_MIN_Q_LEN = 512
 
 
 def extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -55,8 +52,8 @@ def extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     if launch is not None:
         launch(k_cache, v_cache, out)
         return out
-    if _use_sm90(q, k, v, out, batch, config, wrap, SM90_MIN_TOKENS):
-        bound = sm90.prepare_sm90(q, k, v, batch, sm_scale, out)
+    if hopper := _sm90_config(q, k, v, out, batch, config, wrap, SM90_MIN_TOKENS):
+        bound = sm90.prepare_sm90(q, k, v, batch, sm_scale, out, hopper)
         launch = None if bound is None else (lambda kc, vc, o, _b=bound: _b(o))
     else:
         bound = launch = _bind(q, k, v, k_cache, v_cache, batch, sm_scale, out, config=config,
@@ -79,9 +76,10 @@ def prepare_extend_attention(
     cache addresses read at launch; `launch` takes a layer's; k_cache/v_cache fix the layout."""
     if out is None:
         out = q.new_empty(q.shape)
-    if cache_table is None and _use_sm90(q, k, v, out, batch, config, wrap,
-                                         SM90_MIN_TOKENS_PREPARED):
-        attend = sm90.prepare_sm90(q, k, v, batch, sm_scale, out)
+    hopper = cache_table is None and _sm90_config(q, k, v, out, batch, config, wrap,
+                                                  SM90_MIN_TOKENS_PREPARED)
+    if hopper:
+        attend = sm90.prepare_sm90(q, k, v, batch, sm_scale, out, hopper)
         store = (kv_store.prepare_store_kv(k, v, k_cache, v_cache, store_slots)
                  if store_slots is not None else None)
         if attend is None:
@@ -105,17 +103,16 @@ def prepare_extend_attention(
     return launch, out
 
 
-def _use_sm90(q, k, v, out, batch: VarlenBatch, config, wrap, min_tokens: int) -> bool:
-    """Hopper: prefix-free, >= min_tokens known rows, sequences of >= SM90_MIN_Q_LEN rows,
-    head_dim 128 (64: Triton's is faster)."""
+def _sm90_config(q, k, v, out, batch: VarlenBatch, config, wrap,
+                 min_tokens: int) -> sm90.Sm90Config | None:
+    """The Hopper kernel's launch shape where it is the faster: prefix-free, >= min_tokens known
+    rows, sequences and head_dim pick_sm90 takes; else None (the Triton kernel)."""
     n = batch.num_tokens
     if batch.max_prefix_len != 0 or n is None or config is not None or wrap is not None:
-        return False
-    if batch.max_q_len < SM90_MIN_Q_LEN:
-        return False
-    if q.shape[2] != 128 or n < min_tokens or n > q.shape[0]:
-        return False
-    return sm90.supported(q, k, v, out)
+        return None
+    if n < min_tokens or n > q.shape[0] or batch.max_q_len <= 0:
+        return None
+    return sm90.batch_config(q, batch) if sm90.supported(q, k, v, out) else None
 
 
 def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, config, wrap,

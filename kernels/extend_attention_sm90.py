@@ -20,8 +20,8 @@ if HAS_GLUON:
 
     from kernels.extend_attention_sm90_kernel import _attention_kernel
 
-__all__ = ["HAS_GLUON", "SM90_CONFIG", "SM90_LOOP_CONFIG", "Sm90Config", "extend_attention_sm90",
-           "pick_sm90", "prepare_sm90", "supported"]
+__all__ = ["HAS_GLUON", "SM90_CONFIG", "SM90_LOOP_CONFIG", "Sm90Config", "batch_config",
+           "extend_attention_sm90", "pick_sm90", "prepare_sm90", "supported"]
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,18 @@ class Sm90Config:
 
 SM90_CONFIG = Sm90Config()
 SM90_LOOP_CONFIG = Sm90Config(ctas=0)
-# Batches of short sequences with at least LOOP_TILES_PER_SM tiles an SM take looping CTAs,
-# each paying the warp-specialized setup once: tiles of one depth share a round, so a static
-# split is balanced (H200, D128 32/8: 16 x 512 284 against 244 TFLOP/s, 8 x 1k 379 against 364).
-# Otherwise one CTA per tile: the hardware hands tiles out, longest first, as SMs free up, which
-# balances tiles of unequal depth better (1 x 1k 349 against 317, 1 x 2k 468 against 458).
+TILE = CONSUMERS * BLOCK_M  # rows of a sequence one tile covers
+# Looping CTAs pay the warp-specialized setup once each, and take tiles round by round, one depth
+# after another; they win once a depth holds enough tiles (heads x sequences) that a round of
+# CTAs spans at most LOOP_MAX_DEPTHS depths. With fewer, a single sequence's tiles of unequal
+# depth balance better one CTA per tile, handed out longest first as SMs free up (H200, graph,
+# D128 32/8: 1 x 1k 405 against 366 TFLOP/s looping; 2 x 1k 409 against 427, 4 x 512 276
+# against 331, 64 x 128 95 against 119), and so do sequences longer than LOOP_MAX_Q_LEN (64
+# prompts of 100-4,000 rows: 493 against 461). One CTA per tile beats the Triton kernel from
+# MIN_Q_LEN rows a sequence at D128; at D64, with half the products per load, only looping does.
 LOOP_MAX_Q_LEN = 1024
-LOOP_TILES_PER_SM = 8
+LOOP_MAX_DEPTHS = 3
+MIN_Q_LEN = 512
 
 
 def supported(*xs: torch.Tensor) -> bool:
@@ -68,11 +73,20 @@ def _descriptor(x: torch.Tensor, rows: int):
     return TensorDescriptor(x, [T, heads * D], [x.stride(0), 1], [rows, D], layout)
 
 
-def pick_sm90(n_tiles: int, max_q_len: int, sms: int) -> Sm90Config:
-    """The launch shape for a batch of n_tiles 128-row tiles on `sms` SMs."""
-    if max_q_len <= LOOP_MAX_Q_LEN and n_tiles >= LOOP_TILES_PER_SM * sms:
+def pick_sm90(seqs: int, heads: int, max_q_len: int, sms: int,
+              head_dim: int = 128) -> Sm90Config | None:
+    """The launch shape for a batch of `seqs` sequences of <= max_q_len rows on `sms` SMs; None
+    where the Triton kernel is the faster."""
+    if (max_q_len <= LOOP_MAX_Q_LEN and LOOP_MAX_DEPTHS * seqs * heads >= sms
+            and (head_dim == 128 or max_q_len >= MIN_Q_LEN)):
         return SM90_LOOP_CONFIG
-    return SM90_CONFIG
+    return SM90_CONFIG if head_dim == 128 and max_q_len >= MIN_Q_LEN else None
+
+
+def batch_config(q: torch.Tensor, batch: VarlenBatch) -> Sm90Config | None:
+    """pick_sm90 for q's heads and head_dim, batch's sequences and q's GPU."""
+    return pick_sm90(batch.cu_seqlens_q.shape[0] - 1, q.shape[1], batch.max_q_len,
+                     _sm_count(q.device), q.shape[2])
 
 
 def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch,
@@ -80,7 +94,7 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
                  config: Sm90Config | None = None) -> Relauncher | None:
     """Check and bind one launch, `launch(o)` (None: nothing to compute). With num_tokens, TMA
     reads no row past it; without, all T rows may be read as keys and must be finite. config
-    None: pick_sm90's."""
+    None: batch_config's (one CTA per tile where that says None)."""
     T, H, D = q.shape
     KVH = k.shape[1]
     cu, num_tokens = batch.cu_seqlens_q, batch.num_tokens
@@ -97,18 +111,16 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
         assert 0 < num_tokens <= T, f"num_tokens {num_tokens} outside (0, {T}]"
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    tile = CONSUMERS * BLOCK_M
-    n_m = -(-batch.max_q_len // tile)
+    n_m = -(-batch.max_q_len // TILE)
     n_tiles = H * n_m * B
-    sms = _sm_count(q.device)
     if config is None:
-        config = pick_sm90(n_tiles, batch.max_q_len, sms)
-    args = (_descriptor(q, tile), _descriptor(k, tile), _descriptor(v, tile), out, cu,
+        config = batch_config(q, batch) or SM90_CONFIG
+    args = (_descriptor(q, TILE), _descriptor(k, TILE), _descriptor(v, TILE), out, cu,
             scale / math.log(2.0), H // KVH, out.stride(0), H, n_m, B, n_tiles)
     meta = launch_meta(D, config)
     ctas = n_tiles
     if config.ctas is not None:
-        ctas = min(n_tiles, config.ctas or sms)
+        ctas = min(n_tiles, config.ctas or _sm_count(q.device))
     return Relauncher(_attention_kernel, (ctas,), args, meta, (3,))
 
 

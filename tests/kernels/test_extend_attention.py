@@ -248,15 +248,19 @@ def test_packed_tier_only_where_the_group_packs(monkeypatch):
 
 
 def test_hopper_kernel_loops_over_many_short_tiles():
-    """Looping CTAs for >= LOOP_TILES_PER_SM tiles an SM of sequences <= LOOP_MAX_Q_LEN rows;
-    one CTA per tile for fewer tiles or longer sequences (tiles of unequal depth)."""
+    """Looping CTAs for sequences of <= LOOP_MAX_Q_LEN rows (D64: >= MIN_Q_LEN too) once a round
+    of CTAs spans <= LOOP_MAX_DEPTHS tile depths; else, at D128, one CTA per tile from MIN_Q_LEN
+    rows a sequence; else the Triton kernel."""
     from kernels import extend_attention_sm90 as sm90
 
-    loop, one = sm90.SM90_LOOP_CONFIG, sm90.SM90_CONFIG
-    tiles = lambda seqs, rows, heads=32: seqs * heads * -(-rows // 128)
+    loop, one, pick = sm90.SM90_LOOP_CONFIG, sm90.SM90_CONFIG, sm90.pick_sm90
     assert loop.ctas == 0 and one.ctas is None
-    assert sm90.pick_sm90(tiles(16, 512), 512, 132) is loop
-    assert sm90.pick_sm90(tiles(8, 1024), 1024, 132) is loop
-    assert sm90.pick_sm90(tiles(1, 1024), 1024, 132) is one  # 256 tiles: 2 a CTA
-    assert sm90.pick_sm90(tiles(2, 2048), 2048, 132) is one  # deeper than 1,024 rows
-    assert sm90.pick_sm90(tiles(8, 1024), 1024, 512) is one  # more SMs: too few tiles each
+    assert pick(64, 32, 128, 132) is loop and pick(16, 32, 512, 132) is loop
+    assert pick(2, 32, 1024, 132) is loop and pick(4, 16, 512, 132) is loop  # 64 tiles a depth
+    assert pick(1, 32, 1024, 132) is one  # 32 tiles a depth: a round spans 4 depths
+    assert pick(8, 32, 2048, 132) is one  # deeper than 1,024 rows
+    assert pick(2, 32, 1024, 512) is one  # more SMs: too few tiles a depth
+    assert pick(9, 4, 500, 132) is None  # short, too few to loop: Triton
+    assert pick(8, 32, 1024, 132, head_dim=64) is loop
+    assert pick(64, 32, 128, 132, head_dim=64) is None  # D64 loops from 512 rows
+    assert pick(1, 32, 1024, 132, head_dim=64) is None  # and never takes one CTA a tile

@@ -338,15 +338,20 @@ def test_sm90_is_what_prefix_free_batches_take(close, attn_batch, monkeypatch):
     extend_attention(*b.args(num_tokens=b.T))  # prefix unknown: the plain kernel
     extend_attention(*b.args(max_prefix_len=0))  # row count unknown: the plain kernel
     assert len(calls) == 1
-    short = attn_batch([128] * 40, [0] * 40, 16, 8, 2, 128, BF16, "cuda")  # < SM90_MIN_Q_LEN
+    short = attn_batch([500] * 9, [0] * 9, 16, 4, 2, 128, BF16, "cuda")  # 36 tiles a depth
     o = extend_attention(*short.args(max_prefix_len=0, num_tokens=short.T))
-    assert len(calls) == 1, "short sequences take the plain kernel"
+    assert len(calls) == 1, "a few sequences of < MIN_Q_LEN rows take the plain kernel"
     close(o.float(), extend_attention_ref(*short.args(torch.float32)), BF16, "short")
+    for n, rows, D in ((64, 128, 128), (16, 512, 64)):  # 2,048 tiles: looping CTAs
+        many = attn_batch([rows] * n, [0] * n, 16, 32, 8, D, BF16, "cuda")
+        o = extend_attention(*many.args(max_prefix_len=0, num_tokens=many.T))
+        close(o.float(), extend_attention_ref(*many.args(torch.float32)), BF16, f"{n} x {rows}")
+    assert len(calls) == 3, "many short sequences take the looping Hopper kernel"
     slots = torch.arange(b.T, device="cuda", dtype=torch.int64) + 3
     out = b.poisoned_out()
     attend, _ = ea.prepare_extend_attention(*b.args(max_prefix_len=0, num_tokens=b.T), out=out,
                                             store_slots=slots)
-    assert len(calls) == 2
+    assert len(calls) == 4
     kc, vc = torch.zeros_like(b.k_cache), torch.zeros_like(b.v_cache)
     attend(kc, vc)
     close(out.float(), ref, BF16, "prepared break")
