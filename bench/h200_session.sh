@@ -57,6 +57,7 @@ step kernel_tests "${T_KT:-120}" python3 -m pytest -v -m gpu -p no:cacheprovider
 step fused_tests "${T_FT:-60}" python3 -m pytest -v -p no:cacheprovider \
   tests/kernels/test_logits_summary.py tests/kernels/test_extend_attention.py -k "fused or summary or lowest or dispatch"
 step attention "${T_ATTN:-420}" env OUT="$R" python3 bench/attention.py ${ATTN_ARGS:-}
+step sm90_launch "${T_SL:-300}" env OUT="$R" python3 bench/sm90_launch.py
 step capture "${T_CAP:-95}" env OUT="$R" python3 -m bench.capture --budget-s "${CAP_BUDGET:-50}"
 step sanitizer "${T_SAN:-35}" compute-sanitizer --tool memcheck --error-exitcode 3 \
   python3 -m bench.capture --sanitize-smoke
