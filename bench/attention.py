@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     bench_ms,
     markdown_table,
     out_dir,
+    pyplot,
     relerr,
     run_meta,
     write_results,
@@ -457,12 +458,8 @@ def launch_overhead(cuda, device, dtype) -> dict:
 
 
 def plot(rows, path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot"
     causal = [r for r in rows if r["case"] == "causal" and r.get("tflops")]
     heads = sorted({(r["H"], r["KVH"]) for r in causal}, reverse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import markdown_table, write_results
+from bench.common import markdown_table, pyplot, write_results
 
 MB = float(1 << 20)
 TARGET_RATIO = {"llama-3.2-1b": 1.15, "smollm2-135m": 2.0}
@@ -85,12 +85,8 @@ def targets(results: list[dict]) -> list[list]:
 
 
 def plots(directory: Path, results: list[dict]) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     ok = [r for r in results if "error" not in r]
     fig, ax = plt.subplots(figsize=(9, 4))

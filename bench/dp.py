@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.capture import PAGE, TINY, worker  # noqa: E402
-from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from bench.common import markdown_table, out_dir, pyplot, run_meta, write_results  # noqa: E402
 from service.engine.batch import SeqChunk  # noqa: E402
 from service.engine.dp import close_dp, init_dp  # noqa: E402
 from service.engine.kv_pool import KVPool  # noqa: E402
@@ -169,12 +169,8 @@ def report(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], directory: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     ok = [r for r in results if "error" not in r]
     fig, ax = plt.subplots(figsize=(7, 3.5))

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from bench.common import markdown_table, out_dir, pyplot, run_meta, write_results  # noqa: E402
 from service.config import EngineConfig  # noqa: E402
 from service.engine.batch import SeqChunk  # noqa: E402
 from service.engine.core import EngineCore  # noqa: E402
@@ -314,18 +314,15 @@ def main() -> None:
                               for k in p["top"]])
     out = out_dir()
     write_results(out, "e2e", meta, results, md)
-    try:
-        plot(results, variants, out)
-    except ImportError:
+    if not plot(results, variants, out):
         print("matplotlib missing: no plots")
     print(md)
 
 
-def plot(results: dict, variants: list[str], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(results: dict, variants: list[str], out: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
 
     for metric, fname, label in (("tok_s", "e2e_tokens.png", "prompt tokens/s"),
                                  ("mfu", "e2e_mfu.png", "MFU")):
@@ -343,6 +340,7 @@ def plot(results: dict, variants: list[str], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

@@ -395,12 +395,10 @@ def sweep(url: str, args: argparse.Namespace, processes: list[int]) -> tuple[dic
 
 
 def plot(path: Path, rows: list[dict], title: str) -> Path | None:
-    try:
-        import matplotlib
+    from bench.common import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     xs = [r["concurrency"] for r in rows]
     fig, (lat, tput) = plt.subplots(1, 2, figsize=(10, 4))

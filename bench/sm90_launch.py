@@ -22,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import bench_ms, markdown_table, out_dir, run_meta, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    bench_ms,
+    markdown_table,
+    out_dir,
+    pyplot,
+    run_meta,
+    write_results,
+)
 
 SHAPES = [(1, 1024), (1, 2048), (2, 1024), (4, 512), (4, 1024), (8, 512), (16, 128), (32, 128),
           (64, 128), (128, 128), (32, 256), (64, 256), (16, 512), (32, 512), (8, 1024),
@@ -84,12 +91,8 @@ def report(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot"
     groups = list(dict.fromkeys((r["H"], r["KVH"], r["D"]) for r in rows))
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 5), squeeze=False)
