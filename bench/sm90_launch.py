@@ -1,10 +1,9 @@
 """The Hopper kernel's launch shapes side by side, the evidence for `pick_sm90`: one CTA per
-tile, CTAs looping over tiles, the Triton kernel's table config and cuDNN SDPA (equal-length
-batches only), each timed in a CUDA graph (TFLOP/s), over batches of 1-128 prompts of 128-2,048
-rows and three varlen batches, at the heads of the real models (D128 32/8, 16/2; D64 32/8, 14/2,
-9/3). D64 rows skip one CTA per tile (the service never takes it there) and the few-sequence
-shapes. The Triton column is the kernel's table config, not the small-tile tier the service picks
-for short prompts: bench/attention.py --cases short times that.
+tile, CTAs looping over tiles with one and with two Q slots, the Triton kernel with the config the
+service picks for the batch (`pick_config`) and cuDNN SDPA (equal-length batches only), each
+timed in a CUDA graph (TFLOP/s), over batches of 1-128 prompts of 128-2,048 rows and three varlen
+batches, at the heads of the real models (D128 32/8, 16/2; D64 32/8, 14/2, 9/3). D64 rows skip
+one CTA per tile (the service never takes it there) and the few-sequence shapes.
 
 Usage (H200): python3 bench/sm90_launch.py                     -> $OUT/sm90-launch.{json,md,png}
               python3 bench/sm90_launch.py --rows raw.json     (tables and plot from saved rows)
@@ -35,7 +34,7 @@ SHAPES = [(1, 1024), (1, 2048), (2, 1024), (4, 512), (4, 1024), (8, 512), (16, 1
           (64, 128), (128, 128), (32, 256), (64, 256), (16, 512), (32, 512), (8, 1024),
           (16, 1024)]
 HEADS = [(9, 3, 64), (14, 2, 64), (32, 8, 128), (16, 2, 128), (32, 8, 64)]
-KERNELS = ("triton", "one", "loop", "cudnn")
+KERNELS = ("triton", "one", "loop", "loop-q2", "cudnn")
 
 
 def varlens() -> dict[str, list[int]]:
@@ -50,7 +49,8 @@ def measure() -> list[dict]:
 
     sys.argv = sys.argv[:1]  # bench/attention.py parses sys.argv on import
     import bench.attention as a
-    from kernels.extend_attention_sm90 import SM90_CONFIG, SM90_LOOP_CONFIG
+    from kernels.extend_attention_config import pick_config
+    from kernels.extend_attention_sm90 import SM90_CONFIG, SM90_LOOP_CONFIG, SM90_LOOP_Q2_CONFIGS
 
     rows = []
     for H, KVH, D in HEADS:
@@ -60,8 +60,10 @@ def measure() -> list[dict]:
             b = a.Paged(qlens, [0] * len(qlens), H, KVH, D, 16, "cuda", torch.bfloat16, seed=1)
             flops = sum(4 * s * s * D * H / 2 for s in qlens)
             row = dict(H=H, KVH=KVH, D=D, batch=name)
-            runs = {"triton": lambda b=b: b.run(a.TRITON),
-                    "loop": lambda b=b: b.run(SM90_LOOP_CONFIG)}
+            triton = pick_config(D, b.q.dtype, b.q.device, max(qlens), 0, H // KVH)
+            runs = {"triton": lambda b=b, c=triton: b.run(c),
+                    "loop": lambda b=b: b.run(SM90_LOOP_CONFIG),
+                    "loop-q2": lambda b=b, c=SM90_LOOP_Q2_CONFIGS[D]: b.run(c)}
             if D == 128:
                 runs["one"] = lambda b=b: b.run(SM90_CONFIG)
             if len(set(qlens)) == 1:
@@ -85,7 +87,8 @@ def report(rows: list[dict]) -> str:
     for H, KVH, D in dict.fromkeys((r["H"], r["KVH"], r["D"]) for r in rows):
         sel = [r for r in rows if (r["H"], r["KVH"], r["D"]) == (H, KVH, D)]
         parts.append(f"## {H}/{KVH} heads, D{D} (TFLOP/s in a graph)\n\n" + markdown_table(
-            ["batch", "Triton (table config)", "one CTA per tile", "looping CTAs", "cuDNN"],
+            ["batch", "Triton (service config)", "one CTA per tile", "looping CTAs",
+             "looping, 2 Q slots", "cuDNN"],
             [[r["batch"], *(r.get(k) for k in KERNELS)] for r in sel]))
     return "\n\n".join(parts)
 

@@ -20,8 +20,8 @@ if HAS_GLUON:
 
     from kernels.extend_attention_sm90_kernel import _attention_kernel
 
-__all__ = ["HAS_GLUON", "SM90_CONFIG", "SM90_LOOP_CONFIG", "Sm90Config", "batch_config",
-           "extend_attention_sm90", "pick_sm90", "prepare_sm90", "supported"]
+__all__ = ["HAS_GLUON", "SM90_CONFIG", "SM90_LOOP_CONFIG", "SM90_LOOP_Q2_CONFIGS", "Sm90Config",
+           "batch_config", "extend_attention_sm90", "pick_sm90", "prepare_sm90", "supported"]
 
 
 @dataclass(frozen=True)
@@ -30,27 +30,40 @@ class Sm90Config:
     (head, q-block, sequence) order, else (q-block, head, sequence); ctas: at most this many
     CTAs, each looping over tiles (0: one per SM; tiles then in (head, sequence, q-block)
     order), so one tile's loads run under another's softmax and stores, and each CTA pays its
-    setup once (None: one CTA per tile)."""
+    setup once (None: one CTA per tile); q_slots: tiles of Q in shared memory, 2 to load a
+    looping CTA's next Q under its current tile (with stages 2 at D=128)."""
 
     stages: int = 3
     heads_first: bool = True
     ctas: int | None = None
+    q_slots: int = 1
 
 
 SM90_CONFIG = Sm90Config()
 SM90_LOOP_CONFIG = Sm90Config(ctas=0)
+# A second Q slot loads a looping CTA's next tile of Q under its current one; at D=128 it takes
+# the third K/V stage's shared memory
+SM90_LOOP_Q2_CONFIGS = {64: Sm90Config(ctas=0, q_slots=2),
+                        128: Sm90Config(stages=2, ctas=0, q_slots=2)}
 TILE = CONSUMERS * BLOCK_M  # rows of a sequence one tile covers
-# Looping CTAs pay the warp-specialized setup once each, and take tiles round by round, one depth
-# after another; they win once a depth holds enough tiles (heads x sequences) that a round of
-# CTAs spans at most LOOP_MAX_DEPTHS depths. With fewer, a single sequence's tiles of unequal
-# depth balance better one CTA per tile, handed out longest first as SMs free up (H200, graph,
-# D128 32/8: 1 x 1k 405 against 366 TFLOP/s looping; 2 x 1k 409 against 427, 4 x 512 276
-# against 331, 64 x 128 95 against 119), and so do sequences longer than LOOP_MAX_Q_LEN (64
-# prompts of 100-4,000 rows: 493 against 461). One CTA per tile beats the Triton kernel from
-# MIN_Q_LEN rows a sequence at D128; at D64, with half the products per load, only looping does.
+# Figures: H200, CUDA graph, TFLOP/s, bench/sm90_launch.py. Looping CTAs pay the warp-specialized
+# setup once each, and take tiles round by round, one depth after another; they win once a depth
+# holds enough tiles (heads x sequences) that a round of CTAs spans at most LOOP_MAX_DEPTHS
+# depths. With fewer, a single sequence's tiles of unequal depth balance better one CTA per
+# tile, handed out longest first as SMs free up (D128 32/8: 1 x 1k 404 against 363 looping;
+# 2 x 1k 408 against 420, 4 x 512 277 against 333), and so do sequences longer than
+# LOOP_MAX_Q_LEN (64 prompts of 100-4,000 rows: 488 against 475). One CTA per tile beats the
+# Triton kernel from MIN_Q_LEN rows a sequence at D128. Where a tile is a block or two
+# (<= Q2_MAX_Q_LEN rows), loading Q under the tile before outweighs the third K/V stage
+# (D128 32/8 64 x 128: 152 against 118; 32 x 256: 244 against 210; 16 x 512: 318 against 335).
+# At D64 the second Q slot costs no stage, and looping with it beats the Triton kernel from
+# D64_MIN_Q_LEN rows (32/8 64 x 256: 185 against 169; 8 x 1k 330 against 292); below that
+# it loses at few heads (9/3 64 x 128: 90 against 98).
 LOOP_MAX_Q_LEN = 1024
 LOOP_MAX_DEPTHS = 3
 MIN_Q_LEN = 512
+Q2_MAX_Q_LEN = 256
+D64_MIN_Q_LEN = 256
 
 
 def supported(*xs: torch.Tensor) -> bool:
@@ -77,10 +90,12 @@ def pick_sm90(seqs: int, heads: int, max_q_len: int, sms: int,
               head_dim: int = 128) -> Sm90Config | None:
     """The launch shape for a batch of `seqs` sequences of <= max_q_len rows on `sms` SMs; None
     where the Triton kernel is the faster."""
-    if (max_q_len <= LOOP_MAX_Q_LEN and LOOP_MAX_DEPTHS * seqs * heads >= sms
-            and (head_dim == 128 or max_q_len >= MIN_Q_LEN)):
-        return SM90_LOOP_CONFIG
-    return SM90_CONFIG if head_dim == 128 and max_q_len >= MIN_Q_LEN else None
+    loops = max_q_len <= LOOP_MAX_Q_LEN and LOOP_MAX_DEPTHS * seqs * heads >= sms
+    if head_dim == 64:
+        return SM90_LOOP_Q2_CONFIGS[64] if loops and max_q_len >= D64_MIN_Q_LEN else None
+    if loops:
+        return SM90_LOOP_Q2_CONFIGS[128] if max_q_len <= Q2_MAX_Q_LEN else SM90_LOOP_CONFIG
+    return SM90_CONFIG if max_q_len >= MIN_Q_LEN else None
 
 
 def batch_config(q: torch.Tensor, batch: VarlenBatch) -> Sm90Config | None:
@@ -132,7 +147,7 @@ def _sm_count(device: torch.device) -> int:
 def launch_meta(head_dim: int, config: Sm90Config) -> dict:
     """The kernel's constexprs and warps for a head_dim and config."""
     order = 2 if config.ctas is not None else 0 if config.heads_first else 1
-    return dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, STAGES=config.stages,
+    return dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, STAGES=config.stages, Q_SLOTS=config.q_slots,
                 CONSUMER_REGS=CONSUMER_REGS, ORDER=order, num_warps=4)
 
 

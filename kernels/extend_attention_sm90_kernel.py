@@ -67,9 +67,10 @@ if HAS_GLUON:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
                   kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  ORDER: gl.constexpr):
-        """Per tile: the diagonal K/V block, Q once both consumers are done with the last one,
-        then the other blocks; ring position base + p holds block (p + n - 1) % n."""
+                  ORDER: gl.constexpr, Q_SLOTS: gl.constexpr):
+        """Per tile: the diagonal K/V block, Q into slot i % Q_SLOTS once both consumers are
+        done with the tile it held, then the other blocks; ring position base + p holds block
+        (p + n - 1) % n."""
         i = 0
         base = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -79,10 +80,12 @@ if HAS_GLUON:
                 kv_col = (h // kv_group) * HEAD_DIM
                 _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, base,
                          q_start + m_block * BLOCK_N, kv_col, STAGES)
-                mbarrier.wait(q_empty, (i & 1) ^ 1)
-                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+                slot = i % Q_SLOTS
+                mbarrier.wait(q_empty.index(slot), ((i // Q_SLOTS) & 1) ^ 1)
+                mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_start + m_block * BLOCK_N,
-                                                         h * HEAD_DIM], q_bar, q_smem)
+                                                         h * HEAD_DIM], q_bar.index(slot),
+                                                q_smem.index(slot))
                 for p in range(1, m_block + 1):
                     _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, base + p,
                              q_start + (p - 1) * BLOCK_N, kv_col, STAGES)
@@ -194,11 +197,12 @@ if HAS_GLUON:
     def _consumer(o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
                   qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, ORDER: gl.constexpr, CID: gl.constexpr):
+                  STAGES: gl.constexpr, ORDER: gl.constexpr, Q_SLOTS: gl.constexpr,
+                  CID: gl.constexpr):
         """Rows CID * BLOCK_M .. of each tile. Every consumer, an idle one too, waits for the
-        tile's Q before releasing it: the next Q loads only once both released this one, so no
-        consumer can arrive twice in one q_empty phase (an idle one that skipped the wait could
-        run a tile ahead and release a Q still in use)."""
+        tile's Q before releasing it: a slot's next Q loads only once both released this one, so
+        no consumer can arrive twice in one q_empty phase (an idle one that skipped the wait
+        could run Q_SLOTS tiles ahead and release a Q still in use)."""
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -213,10 +217,12 @@ if HAS_GLUON:
             if m_block >= 0:
                 tile_row = m_block * BLOCK_N
                 row0 = tile_row + CID * BLOCK_M
-                mbarrier.wait(q_bar, i & 1)
+                slot = i % Q_SLOTS
+                mbarrier.wait(q_bar.index(slot), (i // Q_SLOTS) & 1)
                 if row0 < q_len:
                     # consumer 0's rows end halfway into the diagonal block: it computes half
-                    acc, l_i = _consume(q_smem.slice(CID * BLOCK_M, BLOCK_M), k_smem, v_smem,
+                    q_rows = q_smem.index(slot).slice(CID * BLOCK_M, BLOCK_M)
+                    acc, l_i = _consume(q_rows, k_smem, v_smem,
                                         kv_ready, kv_empty, qk_scale, row0, tile_row,
                                         m_block + 1, base, HEAD_DIM, BLOCK_M, BLOCK_N,
                                         (CID + 1) * BLOCK_M, STAGES)
@@ -224,13 +230,12 @@ if HAS_GLUON:
                     # out through this consumer's Q rows (read for the last time by its last
                     # QK^T): stored from the wgmma layout, 4 bytes a row per thread, O would
                     # write every L2 sector twice; read back, each thread stores 16 bytes
-                    q_rows = q_smem.slice(CID * BLOCK_M, BLOCK_M)
                     q_rows.store(acc.to(o_ptr.dtype.element_ty))
                     gl.thread_barrier()
                     o = q_rows.load(out_layout)
                     gl.thread_barrier()
                     fence_async_shared()  # before the next Q's TMA writes these rows
-                    mbarrier.arrive(q_empty, count=1)  # the producer may load the next Q
+                    mbarrier.arrive(q_empty.index(slot), count=1)  # the slot may take the next Q
                     r = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
                     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
                     ptrs = (o_ptr + (q_start + r).to(gl.int64)[:, None] * stride_ot
@@ -238,7 +243,7 @@ if HAS_GLUON:
                     gl.store(ptrs, o, mask=(r < q_len)[:, None])
                 else:
                     _idle(kv_ready, kv_empty, m_block + 1, base, STAGES)
-                    mbarrier.arrive(q_empty, count=1)
+                    mbarrier.arrive(q_empty.index(slot), count=1)
                 i += 1
                 base += m_block + 1
 
@@ -246,29 +251,30 @@ if HAS_GLUON:
     def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, qk_scale, kv_group,
                           stride_ot, n_heads, n_m, n_seqs, n_tiles, HEAD_DIM: gl.constexpr,
                           BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          Q_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         TILE: gl.constexpr = 2 * BLOCK_M  # rows per tile = keys per K/V block
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [TILE, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS, TILE, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(q_empty, count=2)  # both consumers are done with Q
+        for i in gl.static_range(Q_SLOTS):
+            mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers are done with this Q
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
         gl.warp_specialize(  # NOTE: racecheck flags hazards only in here; memcheck is clean
             [(_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                           kv_ready, kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs,
-                          n_tiles, HEAD_DIM, TILE, STAGES, ORDER)),
+                          n_tiles, HEAD_DIM, TILE, STAGES, ORDER, Q_SLOTS)),
              (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
                           kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
-                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, 0)),
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, Q_SLOTS, 0)),
              (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
                           kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
-                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, 1))],
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, Q_SLOTS, 1))],
             [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

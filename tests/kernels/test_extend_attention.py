@@ -248,19 +248,26 @@ def test_packed_tier_only_where_the_group_packs(monkeypatch):
 
 
 def test_hopper_kernel_loops_over_many_short_tiles():
-    """Looping CTAs for sequences of <= LOOP_MAX_Q_LEN rows (D64: >= MIN_Q_LEN too) once a round
-    of CTAs spans <= LOOP_MAX_DEPTHS tile depths; else, at D128, one CTA per tile from MIN_Q_LEN
-    rows a sequence; else the Triton kernel."""
+    """Looping CTAs for sequences of <= LOOP_MAX_Q_LEN rows once a round of CTAs spans
+    <= LOOP_MAX_DEPTHS tile depths, with two Q slots at D128 up to Q2_MAX_Q_LEN rows and always
+    at D64 (from D64_MIN_Q_LEN rows); else, at D128, one CTA per tile from MIN_Q_LEN rows a
+    sequence; else the Triton kernel."""
     from kernels import extend_attention_sm90 as sm90
 
     loop, one, pick = sm90.SM90_LOOP_CONFIG, sm90.SM90_CONFIG, sm90.pick_sm90
-    assert loop.ctas == 0 and one.ctas is None
-    assert pick(64, 32, 128, 132) is loop and pick(16, 32, 512, 132) is loop
+    q2, q2_64 = sm90.SM90_LOOP_Q2_CONFIGS[128], sm90.SM90_LOOP_Q2_CONFIGS[64]
+    assert loop.ctas == 0 and one.ctas is None and loop.q_slots == 1
+    assert q2.ctas == q2_64.ctas == 0 and q2.q_slots == q2_64.q_slots == 2
+    assert q2.stages == 2, "at D128 the second Q slot takes the third K/V stage's memory"
+    assert pick(64, 32, 128, 132) is q2 and pick(32, 32, 256, 132) is q2
+    assert pick(16, 32, 512, 132) is loop and pick(8, 32, 1024, 132) is loop
     assert pick(2, 32, 1024, 132) is loop and pick(4, 16, 512, 132) is loop  # 64 tiles a depth
     assert pick(1, 32, 1024, 132) is one  # 32 tiles a depth: a round spans 4 depths
     assert pick(8, 32, 2048, 132) is one  # deeper than 1,024 rows
     assert pick(2, 32, 1024, 512) is one  # more SMs: too few tiles a depth
     assert pick(9, 4, 500, 132) is None  # short, too few to loop: Triton
-    assert pick(8, 32, 1024, 132, head_dim=64) is loop
-    assert pick(64, 32, 128, 132, head_dim=64) is None  # D64 loops from 512 rows
+    assert pick(1, 32, 200, 132) is None
+    assert pick(8, 32, 1024, 132, head_dim=64) is q2_64
+    assert pick(64, 32, 256, 132, head_dim=64) is q2_64
+    assert pick(64, 32, 128, 132, head_dim=64) is None  # D64 loops from 256 rows
     assert pick(1, 32, 1024, 132, head_dim=64) is None  # and never takes one CTA a tile

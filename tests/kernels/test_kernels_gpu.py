@@ -300,7 +300,7 @@ def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
     G = sm90.Sm90Config
     # few CTAs looping over many tiles: rings and Q phases carried across tiles
     configs = [sm90.SM90_CONFIG, G(2, heads_first=False), G(ctas=3), G(2, False, ctas=5),
-               G(ctas=0)]
+               G(ctas=0), G(2, ctas=3, q_slots=2), G(2, ctas=0, q_slots=2)]
     if D == 64:  # deeper rings fit beside a smaller Q
         configs += [G(5), G(5, ctas=2)]
     for cfg in configs:
@@ -342,16 +342,16 @@ def test_sm90_is_what_prefix_free_batches_take(close, attn_batch, monkeypatch):
     o = extend_attention(*short.args(max_prefix_len=0, num_tokens=short.T))
     assert len(calls) == 1, "a few sequences of < MIN_Q_LEN rows take the plain kernel"
     close(o.float(), extend_attention_ref(*short.args(torch.float32)), BF16, "short")
-    for n, rows, D in ((64, 128, 128), (16, 512, 64)):  # 2,048 tiles: looping CTAs
+    for n, rows, D in ((64, 128, 128), (16, 512, 64), (32, 256, 64)):  # looping CTAs
         many = attn_batch([rows] * n, [0] * n, 16, 32, 8, D, BF16, "cuda")
         o = extend_attention(*many.args(max_prefix_len=0, num_tokens=many.T))
         close(o.float(), extend_attention_ref(*many.args(torch.float32)), BF16, f"{n} x {rows}")
-    assert len(calls) == 3, "many short sequences take the looping Hopper kernel"
+    assert len(calls) == 4, "many short sequences take the looping Hopper kernel"
     slots = torch.arange(b.T, device="cuda", dtype=torch.int64) + 3
     out = b.poisoned_out()
     attend, _ = ea.prepare_extend_attention(*b.args(max_prefix_len=0, num_tokens=b.T), out=out,
                                             store_slots=slots)
-    assert len(calls) == 4
+    assert len(calls) == 5
     kc, vc = torch.zeros_like(b.k_cache), torch.zeros_like(b.v_cache)
     attend(kc, vc)
     close(out.float(), ref, BF16, "prepared break")

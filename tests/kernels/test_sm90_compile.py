@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [(128, "{}"), (128, '{"stages": 2, "heads_first": false}'), (64, '{"stages": 5}'),
-         (128, '{"ctas": 0}'), (64, '{"stages": 5, "ctas": 0}')]  # CTAs looping over tiles
+         (128, '{"ctas": 0}'), (64, '{"stages": 5, "ctas": 0}'),  # CTAs looping over tiles
+         (128, '{"ctas": 0, "stages": 2, "q_slots": 2}'), (64, '{"ctas": 0, "q_slots": 2}')]
 
 
 def compile_kernel(head_dim: int, config: str) -> dict:
