@@ -1,9 +1,10 @@
 """The Hopper kernel's launch shapes side by side, the evidence for `pick_sm90`: one CTA per
 tile, CTAs looping over tiles with one and with two Q slots, the Triton kernel with the config the
 service picks for the batch (`pick_config`) and cuDNN SDPA (equal-length batches only), each
-timed in a CUDA graph (TFLOP/s), over batches of 1-128 prompts of 128-2,048 rows and three varlen
-batches, at the heads of the real models (D128 32/8, 16/2; D64 32/8, 14/2, 9/3). D64 rows skip
-one CTA per tile (the service never takes it there) and the few-sequence shapes.
+timed in a CUDA graph (TFLOP/s), and which of them the service runs (`pick_sm90`), over batches
+of 1-128 prompts of 128-2,048 rows and three varlen batches, at the heads of the real models
+(D128 32/8, 16/2; D64 32/8, 14/2, 9/3). D64 rows skip one CTA per tile (the service never takes
+it there) and the few-sequence shapes.
 
 Usage (H200): python3 bench/sm90_launch.py                     -> $OUT/sm90-launch.{json,md,png}
               python3 bench/sm90_launch.py --rows raw.json     (tables and plot from saved rows)
@@ -50,16 +51,26 @@ def measure() -> list[dict]:
     sys.argv = sys.argv[:1]  # bench/attention.py parses sys.argv on import
     import bench.attention as a
     from kernels.extend_attention_config import pick_config
-    from kernels.extend_attention_sm90 import SM90_CONFIG, SM90_LOOP_CONFIG, SM90_LOOP_Q2_CONFIGS
+    from kernels.extend_attention_sm90 import (
+        SM90_CONFIG,
+        SM90_LOOP_CONFIG,
+        SM90_LOOP_Q2_CONFIGS,
+        pick_sm90,
+    )
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    names = {SM90_CONFIG: "one", SM90_LOOP_CONFIG: "loop", SM90_LOOP_Q2_CONFIGS[64]: "loop-q2",
+             SM90_LOOP_Q2_CONFIGS[128]: "loop-q2", None: "triton"}
 
     rows = []
     for H, KVH, D in HEADS:
         cases = [(f"{n} x {S}", [S] * n) for n, S in SHAPES
-                 if D == 128 or (S >= 512 and n >= 4) or n == 64]
+                 if D == 128 or (S >= 512 and n >= 4) or n >= 64 or S == 256]
         for name, qlens in cases + list(varlens().items()):
             b = a.Paged(qlens, [0] * len(qlens), H, KVH, D, 16, "cuda", torch.bfloat16, seed=1)
             flops = sum(4 * s * s * D * H / 2 for s in qlens)
-            row = dict(H=H, KVH=KVH, D=D, batch=name)
+            row = dict(H=H, KVH=KVH, D=D, batch=name,
+                       pick=names[pick_sm90(len(qlens), H, max(qlens), sms, D)])
             triton = pick_config(D, b.q.dtype, b.q.device, max(qlens), 0, H // KVH)
             runs = {"triton": lambda b=b, c=triton: b.run(c),
                     "loop": lambda b=b: b.run(SM90_LOOP_CONFIG),
@@ -88,8 +99,8 @@ def report(rows: list[dict]) -> str:
         sel = [r for r in rows if (r["H"], r["KVH"], r["D"]) == (H, KVH, D)]
         parts.append(f"## {H}/{KVH} heads, D{D} (TFLOP/s in a graph)\n\n" + markdown_table(
             ["batch", "Triton (service config)", "one CTA per tile", "looping CTAs",
-             "looping, 2 Q slots", "cuDNN"],
-            [[r["batch"], *(r.get(k) for k in KERNELS)] for r in sel]))
+             "looping, 2 Q slots", "cuDNN", "the service runs"],
+            [[r["batch"], *(r.get(k) for k in KERNELS), r.get("pick")] for r in sel]))
     return "\n\n".join(parts)
 
 

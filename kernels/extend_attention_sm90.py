@@ -56,14 +56,16 @@ TILE = CONSUMERS * BLOCK_M  # rows of a sequence one tile covers
 # Triton kernel from MIN_Q_LEN rows a sequence at D128. Where a tile is a block or two
 # (<= Q2_MAX_Q_LEN rows), loading Q under the tile before outweighs the third K/V stage
 # (D128 32/8 64 x 128: 152 against 118; 32 x 256: 244 against 210; 16 x 512: 318 against 335).
-# At D64 the second Q slot costs no stage, and looping with it beats the Triton kernel from
-# D64_MIN_Q_LEN rows (32/8 64 x 256: 185 against 169; 8 x 1k 330 against 292); below that
-# it loses at few heads (9/3 64 x 128: 90 against 98).
+# At D64 the second Q slot costs no stage, and looping with it beats the Triton kernel once the
+# batch holds D64_MIN_BLOCKS_PER_SM causal 128 x 128 blocks (heads x sequences x the blocks on
+# and under a sequence's diagonal) an SM: 32/8 64 x 128, 2,048 blocks: 115 against 105; 9/3
+# 128 x 128, 1,152: 105 against 96; 9/3 64 x 128, 576: 90 against 97; 9/3 16 x 256, 432: 102
+# against 124; 14/2 64 x 128, 896: 105 either way.
 LOOP_MAX_Q_LEN = 1024
 LOOP_MAX_DEPTHS = 3
 MIN_Q_LEN = 512
 Q2_MAX_Q_LEN = 256
-D64_MIN_Q_LEN = 256
+D64_MIN_BLOCKS_PER_SM = 7
 
 
 def supported(*xs: torch.Tensor) -> bool:
@@ -92,7 +94,9 @@ def pick_sm90(seqs: int, heads: int, max_q_len: int, sms: int,
     where the Triton kernel is the faster."""
     loops = max_q_len <= LOOP_MAX_Q_LEN and LOOP_MAX_DEPTHS * seqs * heads >= sms
     if head_dim == 64:
-        return SM90_LOOP_Q2_CONFIGS[64] if loops and max_q_len >= D64_MIN_Q_LEN else None
+        n = -(-max_q_len // TILE)
+        blocks = seqs * heads * n * (n + 1) // 2
+        return SM90_LOOP_Q2_CONFIGS[64] if loops and blocks >= D64_MIN_BLOCKS_PER_SM * sms else None
     if loops:
         return SM90_LOOP_Q2_CONFIGS[128] if max_q_len <= Q2_MAX_Q_LEN else SM90_LOOP_CONFIG
     return SM90_CONFIG if max_q_len >= MIN_Q_LEN else None

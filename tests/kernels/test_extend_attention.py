@@ -250,8 +250,8 @@ def test_packed_tier_only_where_the_group_packs(monkeypatch):
 def test_hopper_kernel_loops_over_many_short_tiles():
     """Looping CTAs for sequences of <= LOOP_MAX_Q_LEN rows once a round of CTAs spans
     <= LOOP_MAX_DEPTHS tile depths, with two Q slots at D128 up to Q2_MAX_Q_LEN rows and always
-    at D64 (from D64_MIN_Q_LEN rows); else, at D128, one CTA per tile from MIN_Q_LEN rows a
-    sequence; else the Triton kernel."""
+    at D64 (there from D64_MIN_BLOCKS_PER_SM causal blocks an SM); else, at D128, one CTA per
+    tile from MIN_Q_LEN rows a sequence; else the Triton kernel."""
     from kernels import extend_attention_sm90 as sm90
 
     loop, one, pick = sm90.SM90_LOOP_CONFIG, sm90.SM90_CONFIG, sm90.pick_sm90
@@ -269,5 +269,10 @@ def test_hopper_kernel_loops_over_many_short_tiles():
     assert pick(1, 32, 200, 132) is None
     assert pick(8, 32, 1024, 132, head_dim=64) is q2_64
     assert pick(64, 32, 256, 132, head_dim=64) is q2_64
-    assert pick(64, 32, 128, 132, head_dim=64) is None  # D64 loops from 256 rows
+    assert pick(64, 32, 128, 132, head_dim=64) is q2_64  # 2,048 blocks
+    assert pick(128, 9, 128, 132, head_dim=64) is q2_64  # 1,152 blocks
+    assert pick(64, 9, 128, 132, head_dim=64) is None  # 576 blocks: under 7 an SM
+    assert pick(16, 9, 256, 132, head_dim=64) is None  # 16 x 9 x 3 = 432 blocks
+    assert pick(8, 9, 512, 132, head_dim=64) is None  # 8 x 9 x 10 = 720 blocks
+    assert pick(64, 32, 128, 512, head_dim=64) is None  # more SMs: too few blocks each
     assert pick(1, 32, 1024, 132, head_dim=64) is None  # and never takes one CTA a tile
