@@ -50,15 +50,15 @@ TILE = CONSUMERS * BLOCK_M  # rows of a sequence one tile covers
 # setup once each, and take tiles round by round, one depth after another; they win once a depth
 # holds enough tiles (heads x sequences) that a round of CTAs spans at most LOOP_MAX_DEPTHS
 # depths. With fewer, a single sequence's tiles of unequal depth balance better one CTA per
-# tile, handed out longest first as SMs free up (D128 32/8: 1 x 1k 404 against 363 looping;
-# 2 x 1k 408 against 420, 4 x 512 277 against 333), and so do sequences longer than
-# LOOP_MAX_Q_LEN (64 prompts of 100-4,000 rows: 488 against 475). One CTA per tile beats the
+# tile, handed out longest first as SMs free up (D128 32/8: 1 x 1k 404 against 366 looping;
+# 2 x 1k 407 against 416, 4 x 512 274 against 329), and so do sequences longer than
+# LOOP_MAX_Q_LEN (64 prompts of 100-4,000 rows: 496 against 490). One CTA per tile beats the
 # Triton kernel from MIN_Q_LEN rows a sequence at D128. Where a tile is a block or two
 # (<= Q2_MAX_Q_LEN rows), loading Q under the tile before outweighs the third K/V stage
-# (D128 32/8 64 x 128: 152 against 118; 32 x 256: 244 against 210; 16 x 512: 318 against 335).
+# (D128 32/8 64 x 128: 156 against 123; 32 x 256: 242 against 208; 16 x 512: 316 against 321).
 # At D64 the second Q slot costs no stage, and looping with it beats the Triton kernel once the
 # batch holds D64_MIN_BLOCKS_PER_SM causal 128 x 128 blocks (heads x sequences x the blocks on
-# and under a sequence's diagonal) an SM: 32/8 64 x 128, 2,048 blocks: 115 against 105; 9/3
+# and under a sequence's diagonal) an SM: 32/8 64 x 128, 2,048 blocks: 114 against 105; 9/3
 # 128 x 128, 1,152: 105 against 96; 9/3 64 x 128, 576: 90 against 97; 9/3 16 x 256, 432: 102
 # against 124; 14/2 64 x 128, 896: 105 either way.
 LOOP_MAX_Q_LEN = 1024

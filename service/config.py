@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     attention_hopper_kernel: bool = Field(True, description=(
         "On Hopper GPUs, prefix-free batches of at least 1,024 tokens run through the "
         "warp-specialized Gluon attention kernel where it is the faster (head_dim 128: sequences "
-        "of at least 512 rows, or many shorter ones; head_dim 64: many sequences of 256-1,024 "
+        "of at least 512 rows, or many shorter ones; head_dim 64: many sequences of at most 1,024 "
         "rows); `false`: the plain Triton kernel everywhere."))
     cpu_threads: int = Field(0, ge=0, le=1024, description=(
         "Threads of torch's CPU kernels; `0`: the CPUs this process may use (its affinity "
