@@ -1,8 +1,11 @@
 """The Hopper (Gluon) attention kernel compiles for sm_90 without a GPU: Triton's frontend, its
 TTGIR passes and the bundled ptxas, for each head_dim and grid order the service can launch, so
-a syntax, type or layout error shows here and not first on an H200. (What it computes is
-checked on the GPU: tests/kernels/test_kernels_gpu.py.) Each compile runs in a child process
-without TRITON_INTERPRET, which turns Gluon functions into interpreted ones."""
+a syntax, type or layout error shows here and not first on an H200; and ptxas keeps no stack
+frame, also where Triton specializes integer arguments equal to 1 (one sequence, one q-block,
+no GQA), since a spill's local memory is out of range inside a warp-specialized partition (an
+H200 faults). (What it computes is checked on the GPU: tests/kernels/test_kernels_gpu.py.) Each
+compile runs in a child process without TRITON_INTERPRET, which turns Gluon functions into
+interpreted ones."""
 
 from __future__ import annotations
 
@@ -18,12 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = [(128, "{}"), (128, '{"stages": 2, "heads_first": false}'), (64, '{"stages": 5}'),
          (128, '{"ctas": 0}'), (64, '{"stages": 5, "ctas": 0}'),  # CTAs looping over tiles
          (128, '{"ctas": 0, "stages": 2, "q_slots": 2}'), (64, '{"ctas": 0, "q_slots": 2}')]
+ONES = '{"kv_group": 1, "n_seqs": 1, "n_m": 1}'  # integer arguments Triton specializes as 1
+COMPILES = [(d, c, "{}") for d, c in CASES] + [(d, c, ONES) for d, c in (CASES[0], *CASES[-2:])]
 
 
-def compile_kernel(head_dim: int, config: str) -> dict:
-    """Compile `_attention_kernel` for sm_90 (`config`: Sm90Config fields as JSON); its cubin
-    size and shared memory."""
+def compile_kernel(head_dim: int, config: str, ones: str = "{}") -> dict:
+    """Compile `_attention_kernel` for sm_90 (`config`: Sm90Config fields as JSON; `ones`:
+    arguments specialized as the constant 1); its cubin size, shared memory and stack bytes
+    (None without the bundled cuobjdump)."""
+    import tempfile
+
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -38,29 +47,41 @@ def compile_kernel(head_dim: int, config: str) -> dict:
     types = {"q_desc": desc, "k_desc": desc, "v_desc": desc, "o_ptr": "*bf16",
              "cu_seqlens_q_ptr": "*i32", "qk_scale": "fp32"}  # the rest: int32 scalars
     values = sm90.launch_meta(head_dim, sm90.Sm90Config(**json.loads(config)))
+    values |= json.loads(ones)
     options = {"num_warps": values.pop("num_warps")}
     names = fn.arg_names
     signature = {n: types.get(n, "constexpr" if n in values else "i32") for n in names}
     constexprs = {(names.index(n),): v for n, v in values.items()}
     kernel = triton.compile(GluonASTSource(fn, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32), options=options)
-    return {"cubin_bytes": len(kernel.asm["cubin"]), "shared": kernel.metadata.shared}
+    cuobjdump = getattr(knobs.nvidia.cuobjdump, "path", None)
+    stack = None
+    if cuobjdump and os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        stack = int(usage.split("STACK:")[1].split()[0])
+    return {"cubin_bytes": len(kernel.asm["cubin"]), "shared": kernel.metadata.shared,
+            "stack": stack}
 
 
-@pytest.mark.parametrize("head_dim, config", CASES)
-def test_hopper_kernel_compiles_for_sm90(head_dim, config):
+@pytest.mark.parametrize("head_dim, config, ones", COMPILES)
+def test_hopper_kernel_compiles_for_sm90(head_dim, config, ones):
     sm90 = pytest.importorskip("kernels.extend_attention_sm90")
     if not sm90.HAS_GLUON:
         pytest.skip("this Triton has no Gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, str(head_dim), config],
+    proc = subprocess.run([sys.executable, __file__, str(head_dim), config, ones],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["cubin_bytes"] > 0
     assert got["shared"] <= 232448, f"{got['shared']} B: more shared memory than an sm_90 SM has"
+    assert got["stack"] in (0, None), f"{got['stack']} B of stack: ptxas spilled"
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_kernel(int(sys.argv[1]), sys.argv[2])))
+    print(json.dumps(compile_kernel(int(sys.argv[1]), *sys.argv[2:])))
