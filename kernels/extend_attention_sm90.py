@@ -59,8 +59,8 @@ TILE = CONSUMERS * BLOCK_M  # rows of a sequence one tile covers
 # At D64 the second Q slot costs no stage, and looping with it beats the Triton kernel once the
 # batch holds D64_MIN_BLOCKS_PER_SM causal 128 x 128 blocks (heads x sequences x the blocks on
 # and under a sequence's diagonal) an SM: 32/8 64 x 128, 2,048 blocks: 114 against 105; 9/3
-# 128 x 128, 1,152: 105 against 96; 9/3 64 x 128, 576: 90 against 97; 9/3 16 x 256, 432: 102
-# against 124; 14/2 64 x 128, 896: 105 either way.
+# 128 x 128, 1,152: 105 against 96; 9/3 64 x 128, 576: 90 against 97; 9/3 32 x 256, 864: 140
+# against 150; 14/2 64 x 128, 896: 105 either way.
 LOOP_MAX_Q_LEN = 1024
 LOOP_MAX_DEPTHS = 3
 MIN_Q_LEN = 512
