@@ -109,11 +109,14 @@ def batch_config(q: torch.Tensor, batch: VarlenBatch) -> Sm90Config | None:
 
 
 def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch,
-                 sm_scale: float | None, out: torch.Tensor,
-                 config: Sm90Config | None = None) -> Relauncher | None:
+                 sm_scale: float | None, out: torch.Tensor, config: Sm90Config | None = None,
+                 store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> Relauncher | None:
     """Check and bind one launch, `launch(o)` (None: nothing to compute). With num_tokens, TMA
     reads no row past it; without, all T rows may be read as keys and must be finite. config
-    None: batch_config's (one CTA per tile where that says None)."""
+    None: batch_config's (one CTA per tile where that says None). store (k_cache, v_cache,
+    slots): the launch also writes token t's k and v to slots[t] of (slots, KVH, D) caches,
+    `launch(o, k_cache, v_cache)` (caches of that layout swapped in)."""
     T, H, D = q.shape
     KVH = k.shape[1]
     cu, num_tokens = batch.cu_seqlens_q, batch.num_tokens
@@ -124,6 +127,16 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
     assert out.shape == (T, H, D) and out.dtype == q.dtype, "out must be (T, H, D) in q's dtype"
     assert out.stride(2) == 1 and out.stride(1) == D, "out: heads must be packed, contiguous"
     assert supported(q, k, v), "extend_attention_sm90: unsupported inputs (see supported())"
+    caches, slots, strides = (out, out), cu, (0, 0)
+    if store is not None:
+        *caches, slots = store
+        for x in caches:
+            assert x.dim() == 3 and x.shape[1:] == (KVH, D) and x.dtype == q.dtype, (
+                f"caches must be (slots, {KVH}, {D}) in q's dtype, got {tuple(x.shape)}")
+            assert x.stride(2) == 1 and x.stride(1) == D, "caches: heads must be packed"
+        assert slots.shape == (T,) and slots.dtype in (torch.int32, torch.int64), (
+            f"store slots must be ({T},) int32/int64")
+        strides = tuple(x.stride(0) for x in caches)
     if B == 0 or batch.max_q_len <= 0 or T == 0 or num_tokens == 0:
         return None
     if num_tokens is not None:
@@ -134,13 +147,15 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
     n_tiles = H * n_m * B
     if config is None:
         config = batch_config(q, batch) or SM90_CONFIG
-    args = (_descriptor(q, TILE), _descriptor(k, TILE), _descriptor(v, TILE), out, cu,
-            scale / math.log(2.0), H // KVH, out.stride(0), H, n_m, B, n_tiles)
-    meta = launch_meta(D, config)
+    meta = launch_meta(D, config, store is not None)
+    span = H * (B if meta["ORDER"] == 2 else n_m)  # tiles of a depth / of a sequence
+    args = (_descriptor(q, TILE), _descriptor(k, TILE), _descriptor(v, TILE), out, *caches,
+            slots, cu, scale / math.log(2.0), H // KVH, out.stride(0), *strides, H, n_m, B, span,
+            n_tiles)
     ctas = n_tiles
     if config.ctas is not None:
         ctas = min(n_tiles, config.ctas or _sm_count(q.device))
-    return Relauncher(_attention_kernel, (ctas,), args, meta, (3,))
+    return Relauncher(_attention_kernel, (ctas,), args, meta, (3, 4, 5) if store else (3,))
 
 
 @functools.lru_cache(maxsize=8)
@@ -148,20 +163,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_meta(head_dim: int, config: Sm90Config) -> dict:
+def launch_meta(head_dim: int, config: Sm90Config, store_kv: bool = False) -> dict:
     """The kernel's constexprs and warps for a head_dim and config."""
     order = 2 if config.ctas is not None else 0 if config.heads_first else 1
     return dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, STAGES=config.stages, Q_SLOTS=config.q_slots,
-                CONSUMER_REGS=CONSUMER_REGS, ORDER=order, num_warps=4)
+                STORE_KV=store_kv, CONSUMER_REGS=CONSUMER_REGS, ORDER=order, num_warps=4)
 
 
 def extend_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch,
                           sm_scale: float | None = None, out: torch.Tensor | None = None,
-                          config: Sm90Config | None = None) -> torch.Tensor:
-    """o (T, H, D): causal attention of new tokens to themselves (no prefix) on sm_90."""
+                          config: Sm90Config | None = None,
+                          store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                          ) -> torch.Tensor:
+    """o (T, H, D): causal attention of new tokens to themselves (no prefix) on sm_90; with
+    store (k_cache, v_cache, slots), also k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]."""
     if out is None:
         out = q.new_empty(q.shape)
-    launch = prepare_sm90(q, k, v, batch, sm_scale, out, config)
+    launch = prepare_sm90(q, k, v, batch, sm_scale, out, config, store)
     if launch is not None:
-        launch(out)
+        launch(out, *(store[:2] if store is not None else ()))
     return out

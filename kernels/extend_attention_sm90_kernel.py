@@ -1,6 +1,7 @@
 """The Hopper (sm_90) extend-attention kernel in Gluon: FlashAttention-3's schedule. A producer
 warpgroup streams K/V through a TMA/mbarrier ring; two 64-row consumer warpgroups run their
-softmax under each other's wgmmas; CTAs take one tile each or loop over tiles. Launched by
+softmax under each other's wgmmas; CTAs take one tile each or loop over tiles; with STORE_KV the
+consumers also write each new K/V block into the paged cache from shared memory. Launched by
 kernels/extend_attention_sm90.py."""
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ CONSUMER_REGS = 240  # per thread, after the producer gives its registers back
 if HAS_GLUON:
 
     @gluon.jit
-    def _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER: gl.constexpr,
+    def _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span, ORDER: gl.constexpr,
               TILE: gl.constexpr):
-        """Tile t in launch order: (head, sequence start, length, q-block counted from the end:
+        """Tile t in launch order (span: tiles of a sequence, ORDER 0, 1; of a depth, ORDER 2):
+        (head, sequence start, length, q-block counted from the end:
         the longest work of a sequence first; < 0: past the sequence). ORDER (fastest first):
         0 heads, q-blocks, sequences; 1 q-blocks, heads, sequences; 2 heads, sequences,
         q-blocks: CTAs looping over tiles take them round by round, and each round then holds
@@ -38,18 +40,46 @@ if HAS_GLUON:
         if ORDER == 0:
             h = t % n_heads
             pid_m = (t // n_heads) % n_m
-            b = t // (n_heads * n_m)
+            b = t // span
         elif ORDER == 1:
             pid_m = t % n_m
             h = (t // n_m) % n_heads
-            b = t // (n_heads * n_m)
+            b = t // span
         else:
             h = t % n_heads
             b = (t // n_heads) % n_seqs
-            pid_m = t // (n_heads * n_seqs)
+            pid_m = t // span
         q_start = gl.load(cu_seqlens_q_ptr + b)
         q_len = gl.load(cu_seqlens_q_ptr + b + 1) - q_start
         return h, q_start, q_len, gl.cdiv(q_len, TILE) - 1 - pid_m
+
+    @gluon.jit
+    def _tiles():
+        """(first tile, stride) of this CTA: %ctaid.x and %nctaid.x, read where they are used. A
+        value read before the warp-specialized partitions split may live on the stack across
+        it, and a partition's local memory is out of range (an H200 faults); non-pure asm stays
+        in place."""
+        first = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        step = gl.inline_asm_elementwise("mov.u32 $0, %nctaid.x;", "=r", [], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        return first, step
+
+    @gluon.jit
+    def _store_kv(k_rows, v_rows, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kcs, stride_vcs,
+                  row, n_rows, kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  layout: gl.constexpr):
+        """Tokens row .. row + n_rows - 1 (at most BLOCK_M) of a K/V stage in shared memory into
+        the cache at their slots, 16 bytes a thread."""
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        live = r < n_rows
+        slot = gl.load(slot_ptr + row + r, mask=live, other=0).to(gl.int64)
+        mask = live[:, None]
+        gl.store(k_cache_ptr + slot[:, None] * stride_kcs + kv_col + d[None, :],
+                 k_rows.load(layout), mask=mask)
+        gl.store(v_cache_ptr + slot[:, None] * stride_vcs + kv_col + d[None, :],
+                 v_rows.load(layout), mask=mask)
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, g, row, kv_col,
@@ -65,7 +95,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
-                  kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
+                  kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span, n_tiles,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   ORDER: gl.constexpr, Q_SLOTS: gl.constexpr):
         """Per tile: the diagonal K/V block, Q into slot i % Q_SLOTS once both consumers are
@@ -73,9 +103,10 @@ if HAS_GLUON:
         (p + n - 1) % n."""
         i = 0
         base = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER,
-                                               BLOCK_N)
+        first, step = _tiles()
+        for t in range(first, n_tiles, step):
+            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span,
+                                               ORDER, BLOCK_N)
             if m_block >= 0:
                 kv_col = (h // kv_group) * HEAD_DIM
                 _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, base,
@@ -104,10 +135,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume(q, k_smem, v_smem, kv_ready, kv_empty, qk_scale, row0, diag0, n_blocks, base,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DIAG_N: gl.constexpr, STAGES: gl.constexpr):
+                 k_cache_ptr, v_cache_ptr, slot_ptr, stride_kcs, stride_vcs, token0, n_store,
+                 kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DIAG_N: gl.constexpr, STAGES: gl.constexpr, STORE_KV: gl.constexpr,
+                 store_layout: gl.constexpr):
         """(acc, l) of a consumer's rows: the diagonal's first DIAG_N keys, then blocks 0 .. n-2
-        (ring positions base .. base + n - 1)."""
+        (ring positions base .. base + n - 1). With STORE_KV, the diagonal block's K/V rows
+        of this consumer's tokens (token0 .., n_store of them) go to the cache under its QK^T."""
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         qkd_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -124,12 +158,18 @@ if HAS_GLUON:
         s_d = gl.zeros([BLOCK_M, DIAG_N], gl.float32, qkd_layout)
         s_d = warpgroup_mma(q, k_smem.index(s0).slice(0, DIAG_N).permute((1, 0)), s_d,
                             use_acc=False, is_async=True)
+        if STORE_KV:
+            if n_store > 0:
+                _store_kv(k_smem.index(s0).slice(DIAG_N - BLOCK_M, BLOCK_M),
+                          v_smem.index(s0).slice(DIAG_N - BLOCK_M, BLOCK_M), k_cache_ptr,
+                          v_cache_ptr, slot_ptr, stride_kcs, stride_vcs, token0, n_store, kv_col,
+                          HEAD_DIM, BLOCK_M, store_layout)
         s_d = warpgroup_mma_wait(num_outstanding=0, deps=(s_d,))
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_qkd)
         keys = diag0 + gl.arange(0, DIAG_N, layout=gl.SliceLayout(0, qkd_layout))
-        s_d = gl.where(rows[:, None] >= keys[None, :], s_d, float("-inf"))
-        m_d = gl.max(s_d, axis=1) * qk_scale  # finite: every row sees its own key
-        e_d = gl.exp2(s_d * qk_scale - m_d[:, None])
+        s_d = gl.where(rows[:, None] >= keys[None, :], s_d * qk_scale, float("-inf"))
+        m_d = gl.max(s_d, axis=1)  # finite: every row sees its own key
+        e_d = gl.exp2(s_d - m_d[:, None])
         l_i = gl.convert_layout(gl.sum(e_d, axis=1), row_qk)
         m_i = gl.convert_layout(m_d, row_qk)
         p_d = gl.convert_layout(e_d.to(v_smem.dtype), p_layout)
@@ -194,15 +234,18 @@ if HAS_GLUON:
             mbarrier.arrive(kv_empty.index(p % STAGES), count=1)
 
     @gluon.jit
-    def _consumer(o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
-                  qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, ORDER: gl.constexpr, Q_SLOTS: gl.constexpr,
+    def _consumer(o_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_ot, stride_kcs, stride_vcs,
+                  q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, qk_scale, kv_group,
+                  cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span, n_tiles, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  ORDER: gl.constexpr, Q_SLOTS: gl.constexpr, STORE_KV: gl.constexpr,
                   CID: gl.constexpr):
         """Rows CID * BLOCK_M .. of each tile. Every consumer, an idle one too, waits for the
         tile's Q before releasing it: a slot's next Q loads only once both released this one, so
         no consumer can arrive twice in one q_empty phase (an idle one that skipped the wait
-        could run Q_SLOTS tiles ahead and release a Q still in use)."""
+        could run Q_SLOTS tiles ahead and release a Q still in use). With STORE_KV, the first
+        head of each K/V group writes the tile's diagonal block, which holds the K/V of the
+        tile's own rows: every block of every sequence once."""
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -211,9 +254,10 @@ if HAS_GLUON:
                                                     [4, 1], [1, 0])
         i = 0
         base = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, ORDER,
-                                               BLOCK_N)
+        first, step = _tiles()
+        for t in range(first, n_tiles, step):
+            h, q_start, q_len, m_block = _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span,
+                                               ORDER, BLOCK_N)
             if m_block >= 0:
                 tile_row = m_block * BLOCK_N
                 row0 = tile_row + CID * BLOCK_M
@@ -222,10 +266,13 @@ if HAS_GLUON:
                 if row0 < q_len:
                     # consumer 0's rows end halfway into the diagonal block: it computes half
                     q_rows = q_smem.index(slot).slice(CID * BLOCK_M, BLOCK_M)
-                    acc, l_i = _consume(q_rows, k_smem, v_smem,
-                                        kv_ready, kv_empty, qk_scale, row0, tile_row,
-                                        m_block + 1, base, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                        (CID + 1) * BLOCK_M, STAGES)
+                    n_store = gl.where(h % kv_group == 0, q_len - row0, 0)
+                    acc, l_i = _consume(q_rows, k_smem, v_smem, kv_ready, kv_empty, qk_scale,
+                                        row0, tile_row, m_block + 1, base, k_cache_ptr,
+                                        v_cache_ptr, slot_ptr, stride_kcs, stride_vcs,
+                                        q_start + row0, n_store, (h // kv_group) * HEAD_DIM,
+                                        HEAD_DIM, BLOCK_M, BLOCK_N, (CID + 1) * BLOCK_M, STAGES,
+                                        STORE_KV, out_layout)
                     acc = acc / gl.convert_layout(l_i, row_o)[:, None]
                     # out through this consumer's Q rows (read for the last time by its last
                     # QK^T): stored from the wgmma layout, 4 bytes a row per thread, O would
@@ -247,11 +294,18 @@ if HAS_GLUON:
                 i += 1
                 base += m_block + 1
 
-    @gluon.jit
-    def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, qk_scale, kv_group,
-                          stride_ot, n_heads, n_m, n_seqs, n_tiles, HEAD_DIM: gl.constexpr,
+    # One binary per launch shape: no count is specialized as 1 (nor as a multiple of 16). The
+    # GPU tests then check every binary the service runs, and nothing loop-invariant is derived
+    # in the partitions (see _tiles): ptxas has kept such values on the stack, and built
+    # one branch's wgmma descriptors from registers only another branch sets, in some
+    # specializations of the KV store
+    @gluon.jit(do_not_specialize=["kv_group", "n_heads", "n_m", "n_seqs", "span", "n_tiles"])
+    def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                          cu_seqlens_q_ptr, qk_scale, kv_group, stride_ot, stride_kcs, stride_vcs,
+                          n_heads, n_m, n_seqs, span, n_tiles, HEAD_DIM: gl.constexpr,
                           BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ORDER: gl.constexpr,
-                          Q_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          Q_SLOTS: gl.constexpr, STORE_KV: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
         TILE: gl.constexpr = 2 * BLOCK_M  # rows per tile = keys per K/V block
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS, TILE, HEAD_DIM], q_desc.layout)
@@ -270,11 +324,13 @@ if HAS_GLUON:
         gl.warp_specialize(  # NOTE: racecheck flags hazards only in here; memcheck is clean
             [(_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                           kv_ready, kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs,
-                          n_tiles, HEAD_DIM, TILE, STAGES, ORDER, Q_SLOTS)),
-             (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
-                          kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
-                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, Q_SLOTS, 0)),
-             (_consumer, (o_ptr, stride_ot, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready,
-                          kv_empty, qk_scale, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, n_tiles,
-                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, Q_SLOTS, 1))],
+                          span, n_tiles, HEAD_DIM, TILE, STAGES, ORDER, Q_SLOTS)),
+             (_consumer, (o_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_ot, stride_kcs,
+                          stride_vcs, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                          qk_scale, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span, n_tiles,
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, Q_SLOTS, STORE_KV, 0)),
+             (_consumer, (o_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_ot, stride_kcs,
+                          stride_vcs, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                          qk_scale, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span, n_tiles,
+                          HEAD_DIM, BLOCK_M, TILE, STAGES, ORDER, Q_SLOTS, STORE_KV, 1))],
             [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

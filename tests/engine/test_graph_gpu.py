@@ -177,6 +177,38 @@ def test_staged_batches_of_one_shape_reuse_the_break_and_match_eager(smol):
             pool.allocator.free(list(c.pages))
 
 
+def test_kv_the_hopper_kernel_stores_serves_later_prompts(smol, monkeypatch):
+    """A prefix-free batch the Hopper kernel serves writes its KV from inside the attention
+    kernel (no separate store launch); prompts that continue those prefixes read it back and
+    must answer as the same prompts run whole."""
+    from kernels import extend_attention_sm90 as sm90
+
+    if not (sm90.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("needs Gluon and an sm_90 GPU")
+    runner, pool = smol
+    stores = []
+    monkeypatch.setattr(sm90, "prepare_sm90", lambda *a, _p=sm90.prepare_sm90, **kw: (
+        stores.append(len(a) > 7 and a[7] is not None or kw.get("store") is not None),
+        _p(*a, **kw))[1])
+    full = prompts(runner.cfg.vocab_size, [1001 + n for n in range(8)], seed=9)
+    heads = [chunk(pool, ids[:1000]) for ids in full]  # 8 x 1,000: the looping Hopper kernel
+    with torch.inference_mode():
+        _, _, mode = run(runner, heads, pool)
+        assert mode == "graph" and stores == [True], stores
+        tails = [chunk(pool, ids[1000:], 1000, list(h.pages)) for ids, h in zip(full, heads)]
+        logits, _, mode = run(runner, tails, pool)
+        logits = logits.clone()
+        whole = [chunk(pool, ids) for ids in full]
+        b = build_batch(whole, pool.cache, "cuda")
+        ref = runner.model(b.input_ids, b.positions, b.meta)
+    torch.cuda.synchronize()
+    assert mode == "graph"
+    assert relerr(logits, ref) <= 2e-2, relerr(logits, ref)
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    for c in heads + whole:
+        pool.allocator.free(list(c.pages))
+
+
 def test_dp_world_size_one_with_graphs():
     buckets = (16, 64, 256, 1024)
     dp_runner, pool = build(buckets=buckets, dp=DPGroup(), num_layers=3)

@@ -283,6 +283,7 @@ SM90_CASES = [  # qlens, H, KVH, D: lengths 0/1/7/63/65/129/200/1000, GQA ratios
     ([300, 17, 1], 12, 4, 64),
     ([777, 5], 7, 1, 64),
     ([4096], 16, 2, 128),
+    ([100], 1, 1, 128),  # one tile: consumer 0's half diagonal is all it computes
 ]
 
 
@@ -291,7 +292,9 @@ SM90_CASES = [  # qlens, H, KVH, D: lengths 0/1/7/63/65/129/200/1000, GQA ratios
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
     """Every config shape of the Hopper kernel on awkward varlen batches, padded NaN tail rows
-    (never read with num_tokens given), strided q/k/v views of one fused buffer."""
+    (never read with num_tokens given), strided q/k/v views of one fused buffer; with the KV
+    store fused, every live token's K/V lands at its (shuffled) slot and nothing else is
+    written."""
     sm90 = _sm90_or_skip()
     qlens, H, KVH, D = case
     b = attn_batch(qlens, [0] * len(qlens), 16, H, KVH, D, dtype, "cuda", pad=5)
@@ -303,13 +306,25 @@ def test_sm90_kernel_against_reference(case, dtype, close, attn_batch):
                G(ctas=0), G(2, ctas=3, q_slots=2), G(2, ctas=0, q_slots=2)]
     if D == 64:  # deeper rings fit beside a smaller Q
         configs += [G(5), G(5, ctas=2)]
+    slots = torch.randperm(b.T + 7, device="cuda")[: b.T] + 2  # the pool: T + 9 slots
     for cfg in configs:
-        out = b.poisoned_out()
-        res = sm90.extend_attention_sm90(b.q, b.k, b.v, b.meta(max_prefix_len=0, num_tokens=n),
-                                         out=out, config=cfg)
-        assert res.data_ptr() == out.data_ptr()
-        close(out[:n].float(), ref[:n], dtype, f"o {cfg}")
-        assert torch.isnan(out[n:]).all(), "padded rows must stay untouched"
+        for store in (False, True):
+            out = b.poisoned_out()
+            kc = torch.full((b.T + 9, KVH, D), float("nan"), dtype=dtype, device="cuda")
+            vc = kc.clone()
+            res = sm90.extend_attention_sm90(b.q, b.k, b.v,
+                                             b.meta(max_prefix_len=0, num_tokens=n), out=out,
+                                             config=cfg, store=(kc, vc, slots) if store else None)
+            assert res.data_ptr() == out.data_ptr()
+            close(out[:n].float(), ref[:n], dtype, f"o {cfg} store={store}")
+            assert torch.isnan(out[n:]).all(), "padded rows must stay untouched"
+            live = slots[:n] if store else slots[:0]
+            assert torch.equal(kc[live], b.k[: live.numel()]), f"k cache {cfg}"
+            assert torch.equal(vc[live], b.v[: live.numel()]), f"v cache {cfg}"
+            rest = torch.ones(kc.shape[0], dtype=torch.bool, device="cuda")
+            rest[live] = False
+            assert torch.isnan(kc[rest]).all() and torch.isnan(vc[rest]).all(), (
+                f"{cfg}: a slot no live token maps to was written")
 
 
 def test_sm90_single_32k_sequence(close, attn_batch):
