@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import extend_attention_sm90 as sm90
+from kernels import kv_store
 from kernels._triton import dot_flags, triton
 from kernels.extend_attention_config import INTERPRETER_CONFIG, AttnConfig, packing, pick_config
 from kernels.extend_attention_triton import _extend_attention_kernel
@@ -78,18 +79,23 @@ def prepare_extend_attention(
     hopper = cache_table is None and _sm90_config(q, k, v, out, batch, config, wrap,
                                                   SM90_MIN_TOKENS_PREPARED)
     if hopper:
-        store = None if store_slots is None else (k_cache, v_cache, store_slots)
-        attend = sm90.prepare_sm90(q, k, v, batch, sm_scale, out, hopper, store)
+        fused = store_slots is not None and q.shape[2] in sm90.FUSED_STORE_HEAD_DIMS
+        attend = sm90.prepare_sm90(q, k, v, batch, sm_scale, out, hopper,
+                                   (k_cache, v_cache, store_slots) if fused else None)
+        store = (kv_store.prepare_store_kv(k, v, k_cache, v_cache, store_slots)
+                 if store_slots is not None and not fused else None)
         if attend is None:
             return None, out
         shape = k_cache.shape
 
         def launch_sm90(kc: Tensor, vc: Tensor) -> None:
-            if store is None:
-                attend(out)
+            if fused:
+                assert kc.shape == shape and vc.shape == shape, "cache differs from the prepared"
+                attend(out, kc, vc)
                 return
-            assert kc.shape == shape and vc.shape == shape, "cache differs from the prepared one"
-            attend(out, kc, vc)
+            if store is not None:
+                store(kc, vc)
+            attend(out)
         return launch_sm90, out
     kernel = _bind(q, k, v, k_cache, v_cache, batch, sm_scale, out, config=config, wrap=wrap,
                    store_slots=store_slots, cache_table=cache_table, swap=(3, 4))
