@@ -107,5 +107,6 @@ class AttentionBackend:
         return triton
 
 
-# A prepared break: call it with a layer index (one attention launch with the KV store fused).
+# A prepared break: call it with a layer index (attention with the KV store fused; on Hopper at
+# head_dim 128 the store is a launch of its own).
 BreakPlan = Callable[[int], None]
