@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.extend_attention_sm90_kernel import BLOCK_M, CONSUMER_REGS, CONSUMERS, HAS_GLUON
+from kernels.kv_store import check_store
 from kernels.launch import Relauncher
 from kernels.varlen import VarlenBatch
 
@@ -136,12 +137,8 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
     caches, slots, strides = (out, out), cu, (0, 0)
     if store is not None:
         *caches, slots = store
-        for x in caches:
-            assert x.dim() == 3 and x.shape[1:] == (KVH, D) and x.dtype == q.dtype, (
-                f"caches must be (slots, {KVH}, {D}) in q's dtype, got {tuple(x.shape)}")
-            assert x.stride(2) == 1 and x.stride(1) == D, "caches: heads must be packed"
-        assert slots.shape == (T,) and slots.dtype in (torch.int32, torch.int64), (
-            f"store slots must be ({T},) int32/int64")
+        check_store(k, v, *caches, slots)
+        assert all(x.stride(1) == D for x in caches), "caches: heads must be packed"
         strides = tuple(x.stride(0) for x in caches)
     if B == 0 or batch.max_q_len <= 0 or T == 0 or num_tokens == 0:
         return None

@@ -42,10 +42,10 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + slot * stride_vcs + offs_h * stride_vch + offs_d, v, mask=mask)
 
 
-def prepare_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, wrap=None
-                     ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
-    """Bind all but the caches once: `launch(k_cache, v_cache)`, or None (nothing to store)."""
+def check_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Asserts the store's contract: k, v (T, KVH, D); caches (slots, KVH, D) in k's dtype,
+    last dims contiguous; slot_mapping (T,) int32/int64."""
     T, KVH, D = k.shape
     assert v.shape == k.shape, f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -55,6 +55,14 @@ def prepare_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     assert v.dtype == k.dtype and k.stride(2) == 1 and v.stride(2) == 1, "k, v: bad dtype/stride"
     assert slot_mapping.shape == (T,), f"slot_mapping shape {tuple(slot_mapping.shape)}"
     assert slot_mapping.dtype in (torch.int32, torch.int64), f"slot dtype {slot_mapping.dtype}"
+
+
+def prepare_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, wrap=None
+                     ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """Bind all but the caches once: `launch(k_cache, v_cache)`, or None (nothing to store)."""
+    check_store(k, v, k_cache, v_cache, slot_mapping)
+    T, KVH, D = k.shape
     if T == 0:
         return None
     shape = k_cache.shape

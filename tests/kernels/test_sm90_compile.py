@@ -22,7 +22,7 @@ CASES = [(128, "{}"), (128, '{"stages": 2, "heads_first": false}'), (64, '{"stag
          (128, '{"ctas": 0, "stages": 2, "q_slots": 2}'), (64, '{"ctas": 0, "q_slots": 2}')]
 # with the KV store fused (the service fuses it at D64, where its only pick is the 2-slot loop;
 # the kernel takes it in every config): one CTA per tile, looping, 2 Q slots
-STORES = [(d, c[:-1] + (', ' if c != "{}" else "") + '"store_kv": true}')
+STORES = [(d, json.dumps({**json.loads(c), "store_kv": True}))
           for d, c in (CASES[0], CASES[3], *CASES[-2:])]
 COMPILES = CASES + STORES
 # what the JIT marks as multiples of 16 in every launch: 16-byte aligned pointers (supported()
