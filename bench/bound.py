@@ -153,6 +153,7 @@ def main() -> None:
                               cls["attention"], best * cfg.num_layers / 1e3, cls["other"],
                               prof["classes"].get("other", {}).get("calls", 0),
                               prof["span_ms"] - prof["kernel_ms"],
+                              *(prof["gaps"][k]["ms"] for k in ("memset", "attention", "rest")),
                               prof["wall_ms"] - prof["span_ms"], prof["launches"]])
             rows.append(r)
             print(r, flush=True)
@@ -184,11 +185,13 @@ def main() -> None:
         md += ("\n\nWhere ours' time goes (one profiled forward per shape; the profiler adds "
                "host time, so its wall exceeds the timed median): kernel time by class against "
                "the bound's share, `gaps` = GPU span − kernel time (idle between kernels), "
+               "split by what borders each gap (a memset node, an attention launch, neither), "
                "`host` = profiled wall − GPU span (before the first kernel and after the last)."
                "\n\n" + markdown_table(
                    ["model", "shape", "bound ms", "ours ms", "of bound", "profiled ms",
                     "GEMM ms", "bound GEMM ms", "attention ms", "bound attention ms",
-                    "other kernels ms", "other launches", "gaps ms", "host ms", "launches"],
+                    "other kernels ms", "other launches", "gaps ms", "at memsets",
+                    "at attention", "elsewhere", "host ms", "launches"],
                    split))
     write_results(out_dir(), "bound", meta, {"rows": rows}, md)
     print(md)

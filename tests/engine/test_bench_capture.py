@@ -1,5 +1,5 @@
-"""bench/capture.py and bench/dp.py run on the CPU (tiny model), and the capture targets judge
-results by their thresholds."""
+"""bench/capture.py and bench/dp.py run on the CPU (tiny model), the capture targets judge
+results by their thresholds, and bench/e2e.py's profile splits idle GPU time by its borders."""
 
 from __future__ import annotations
 
@@ -85,3 +85,17 @@ def test_dp_dry_run_two_gloo_ranks(tmp_path):
         assert x["retained_bytes"] == sum(x["retained_per_bucket"].values())
         assert x["then"]["throughput"][0]["mode"] == "graph"
     assert runs[1, "main"]["ranks"][0]["retained_bytes"] == 0
+
+
+def test_profile_gaps_are_split_by_what_borders_them():
+    from bench.e2e import gap_split
+
+    # (start us, end us, name), out of order as the profiler may list them
+    events = [(10.0, 20.0, "Memset (Device)"), (0.0, 8.0, "_rms_norm_kernel"),
+              (23.0, 40.0, "nvjet_sm90_tst_256x128_coopA"), (45.0, 60.0, "_attention_kernel"),
+              (61.0, 70.0, "nvjet_sm90_tst_320x128_coopB"), (70.5, 71.0, "_silu_and_mul_kernel"),
+              (70.8, 72.0, "_apply_rope_kernel")]  # overlapping: no negative gap
+    gaps = gap_split(events)
+    assert gaps["memset"] == dict(ms=(2.0 + 3.0) / 1e3, count=2)
+    assert gaps["attention"] == dict(ms=(5.0 + 1.0) / 1e3, count=2)
+    assert gaps["rest"] == dict(ms=0.5 / 1e3, count=2)
