@@ -15,11 +15,6 @@ from pathlib import Path
 
 import torch
 
-from service.engine.blas import configure_cublas
-
-# Before any GEMM: the benchmarks measure cuBLAS as the engine process sets it up.
-configure_cublas()
-
 
 def out_dir(default: str = "bench/results") -> Path:
     """$OUT if set, else `default` (relative to the repo root)."""

@@ -139,7 +139,7 @@ class SegmentBackend:
 
 
 class CudaGraphBackend(SegmentBackend):
-    """Dense steps as CUDA graphs in one pool; all on `stream` (one cuBLASLt workspace)."""
+    """Dense steps as CUDA graphs in one pool; all on `stream` (one cuBLAS workspace)."""
 
     def __init__(self, stream: torch.cuda.Stream):
         super().__init__()

@@ -16,7 +16,6 @@ import zmq
 
 from service.config import EngineConfig, ServerConfig
 from service.engine import messages as m
-from service.engine.blas import configure_cublas
 from service.engine.board import QueueBoard
 from service.engine.interface import (
     ForwardFailed,
@@ -218,7 +217,6 @@ def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
         alive: Connection) -> None:
     """The engine process's main: serve until SIGTERM or the engine fails. `alive` is only held."""
     setup_child(server_cfg.log_level, "service.engine")
-    configure_cublas()
     from service.engine.core import EngineCore
     from service.metrics import Metrics
 

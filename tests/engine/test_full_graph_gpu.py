@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.blas import FULL_GRAPH_BLAS, blas_library
 from service.engine.buckets import default_ladder
 from service.engine.kv_pool import KVPool
 from service.engine.runners import on_stream
+from service.engine.runners.full import BLAS, blas_library
 from service.engine.sampling import unpack
 from service.model.config import preset
 from service.model.loader import random_model
@@ -107,7 +107,7 @@ def test_full_graph_equals_eager_for_every_small_bucket(runner, unpacked_tiles):
             kv_full = kv_rows(pool, chunks)
             # the same padded rows, eagerly, through the BLAS library the full graphs were
             # captured with: the same GEMM kernels, so only attention's rounding may differ
-            with on_stream(runner.stream), blas_library(FULL_GRAPH_BLAS, torch.device("cuda")):
+            with on_stream(runner.stream), blas_library(BLAS, torch.device("cuda")):
                 b = build_batch(chunks, pool.cache, "cuda", pad_to=n)
                 brk = runner.model(b.input_ids, b.positions, b.meta)
         torch.cuda.synchronize()

@@ -1,21 +1,37 @@
 """Full CUDA graphs for small batches: the whole forward, attention included, in one launch.
 
-Small batches are bound by host launches; their GEMMs are captured with cuBLASLt (blas.py)."""
+Small batches are bound by host launches; GEMMs are captured with cuBLASLt (fewer kernels)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from service.engine.batch import PrefillBatch
-from service.engine.blas import FULL_GRAPH_BLAS, blas_library
 from service.engine.full_buffers import FullBuffers, capture_chunks
 from service.engine.runners import Chunks, gc_paused, on_stream
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.sampling import summarize
 from service.model.llama import Eager
 from service.model.meta import KVAddresses, KVCache
+
+BLAS = "cublaslt"
+
+
+@contextmanager
+def blas_library(name: str, device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 class FullGraphRunner:
@@ -43,7 +59,7 @@ class FullGraphRunner:
             self.kv_addrs = KVAddresses(len(self.model.layers), device)
         self.kv_addrs.bind(kv)
         try:
-            with on_stream(self.graphs.stream), gc_paused(), blas_library(FULL_GRAPH_BLAS, device):
+            with on_stream(self.graphs.stream), gc_paused(), blas_library(BLAS, device):
                 for n in reversed(self.sizes):
                     self._capture_bucket(n, kv)
         finally:
