@@ -28,6 +28,7 @@ from service.engine.pages import page_keys
 log = logging.getLogger(__name__)
 
 HELLO_EVERY_S = 0.2  # until the engine answers with its state (its ROUTER may not know us yet)
+FIRST_STATUS_S = 5.0  # a worker waits this long for the engine's state before it takes requests
 STATS_TIMEOUT_S = 1.0
 GONE = "the engine process is gone; retry on another replica"
 
@@ -48,9 +49,15 @@ class EngineClient:
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.Context | None = None
+        self._heard: asyncio.Event | None = None  # set by the engine's first Status
 
-    async def start(self) -> None:
+    async def start(self, wait_s: float = FIRST_STATUS_S) -> None:
+        """Connect, then wait up to `wait_s` for the engine's state: a worker that replaces a
+        dead one must not answer "engine is loading" while the engine is ready. The engine's
+        main thread answers within milliseconds, also while it loads; past `wait_s` the worker
+        serves with the state it has."""
         loop = asyncio.get_running_loop()
+        self._heard = asyncio.Event()
         self._board = QueueBoard(self.addrs.board)
         self._ctx = ctx = zmq.Context()
         self._push, self._control = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
@@ -66,6 +73,10 @@ class EngineClient:
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._greet())]
         if self._alive is not None:
             loop.add_reader(self._alive.fileno(), self._engine_gone)
+        try:
+            await asyncio.wait_for(self._heard.wait(), wait_s)
+        except asyncio.TimeoutError:
+            log.warning("no word from the engine in %gs: serving as %s", wait_s, self.state)
 
     async def close(self) -> None:
         if self._alive is not None and self.state != "dead":
@@ -178,6 +189,8 @@ class EngineClient:
                 self._set_state(msg)
 
     def _set_state(self, msg: m.Status) -> None:
+        if self._heard is not None:
+            self._heard.set()
         if msg.info is not None:
             self.info = msg.info
         if msg.state != self.state:
@@ -193,6 +206,8 @@ class EngineClient:
         if self.state in ("loading", "ready"):
             log.warning("the engine process is gone: answering 503")
         self.state, self.error = "dead", "the engine process is gone"
+        if self._heard is not None:
+            self._heard.set()
         self._fail_all(NotReady(GONE))
 
     def _fail_all(self, exc: BaseException) -> None:

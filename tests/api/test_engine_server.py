@@ -82,6 +82,30 @@ def test_a_gone_worker_has_its_requests_cancelled(core) -> None:
         thread.close()
 
 
+def test_a_new_worker_knows_the_engine_state_before_it_serves(core) -> None:
+    """start() returns once the engine's Status came: a worker that replaces a dead one takes
+    no request while it still thinks the engine is loading. A silent engine holds it only
+    for the wait it is given."""
+    thread, _ = engine_thread(core)
+
+    async def main() -> None:
+        first = await connected(thread, 0)  # the engine has loaded
+        late = EngineClient(thread.addrs, 1, max_queue=64)
+        await late.start()
+        assert late.state == "ready" and late.admission_error() is None
+        thread.silence()
+        mute = EngineClient(thread.addrs, 2, max_queue=64)
+        await asyncio.wait_for(mute.start(wait_s=0.3), 5)
+        assert mute.state == "loading" and "loading" in str(mute.admission_error())
+        for c in (first, late, mute):
+            await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        thread.close()
+
+
 def test_bytes_that_are_not_a_message_are_dropped(core) -> None:
     """A pickle (or anything else) is not decoded as anything but msgpack, and the loop goes on."""
     import pickle
