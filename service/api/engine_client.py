@@ -49,7 +49,7 @@ class EngineClient:
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.Context | None = None
-        self._heard: asyncio.Event | None = None  # set by the engine's first Status
+        self._heard = asyncio.Event()  # the engine's first Status (or its death) came
 
     async def start(self, wait_s: float = FIRST_STATUS_S) -> None:
         """Connect, then wait up to `wait_s` for the engine's state: a worker that replaces a
@@ -57,7 +57,6 @@ class EngineClient:
         main thread answers within milliseconds, also while it loads; past `wait_s` the worker
         serves with the state it has."""
         loop = asyncio.get_running_loop()
-        self._heard = asyncio.Event()
         self._board = QueueBoard(self.addrs.board)
         self._ctx = ctx = zmq.Context()
         self._push, self._control = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
@@ -189,8 +188,7 @@ class EngineClient:
                 self._set_state(msg)
 
     def _set_state(self, msg: m.Status) -> None:
-        if self._heard is not None:
-            self._heard.set()
+        self._heard.set()
         if msg.info is not None:
             self.info = msg.info
         if msg.state != self.state:
@@ -206,8 +204,7 @@ class EngineClient:
         if self.state in ("loading", "ready"):
             log.warning("the engine process is gone: answering 503")
         self.state, self.error = "dead", "the engine process is gone"
-        if self._heard is not None:
-            self._heard.set()
+        self._heard.set()
         self._fail_all(NotReady(GONE))
 
     def _fail_all(self, exc: BaseException) -> None:
