@@ -93,6 +93,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
     CUDA_CACHE_PATH=/cache/nv \
     HOST=0.0.0.0 \
     PORT=8000 \
+    ADMIN_PORT=8001 \
     DEVICE=auto \
     MEM_FRACTION_STATIC=0.85 \
     DRAIN_TIMEOUT_S=30 \
@@ -101,11 +102,12 @@ ENV PATH=/opt/venv/bin:${PATH} \
 # Empty: `python -m service` must import the installed package, not a source tree in the cwd.
 WORKDIR /app
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 STOPSIGNAL SIGTERM
-# Liveness only (200 while the engine loop is alive); readiness is /ready. Kubernetes ignores
-# HEALTHCHECK and uses the probes in deploy/. The start period covers weights + graph capture.
+# Liveness only (200 while the engine loop is alive); readiness is /ready. On ADMIN_PORT (PORT
+# where it is 0), which client connections cannot exhaust. Kubernetes ignores HEALTHCHECK and
+# uses the probes in deploy/. The start period covers weights + graph capture.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PORT', '8000'), timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request as u; e = os.environ.get; u.urlopen('http://127.0.0.1:%s/health' % (int(e('ADMIN_PORT', '8001')) or e('PORT', '8000')), timeout=4)"]
 
 ENTRYPOINT ["triton-prefill"]

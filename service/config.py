@@ -5,10 +5,11 @@ No prefix: Kubernetes injects `<SERVICE>_PORT`-style variables that a prefix cou
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.host import cuda_requirement, usable_cpus
@@ -94,6 +95,10 @@ class Settings(BaseSettings):
         "process; `0`: (usable CPUs − 2) / 2, between 1 and 8."))
     host: str = Field("0.0.0.0", description="Listen address.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+    admin_port: int = Field(8001, ge=0, le=65535, validate_default=True, description=(
+        "A second listener serving only `GET /health`, `/ready` and `/metrics`, with its own "
+        "small connection allowance, so probes and scrapes are answered whatever client "
+        "connections do to PORT; `0`: none."))
     api_key: str | None = Field(None, description=(
         "When set, POST endpoints need `Authorization: Bearer <key>`; `/health`, `/ready` and "
         "`/metrics` stay open. Set but empty stops start-up (it would disable authentication)."))
@@ -111,6 +116,9 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0.0, le=3600.0, **Finite, description=(
         "On SIGTERM: seconds in-flight requests get to finish; what is still in flight then "
         "gets a JSON 503, and the process exits 0 at most 5 s after the drain."))
+    request_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, **Finite, description=(
+        "Seconds a request may wait for the engine's answer (queue wait and prefill); beyond, "
+        "it is cancelled and answered 504."))
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description=(
         "`debug`, `info`, `warning`, `error`."))
     access_log: bool = Field(True, description=(
@@ -129,6 +137,15 @@ class Settings(BaseSettings):
         if not vals or any(x <= 0 for x in vals):
             raise ValueError("must be comma-separated positive integers, e.g. 16,64,256")
         return ",".join(str(x) for x in sorted(set(vals)))
+
+    @field_validator("admin_port")
+    @classmethod
+    def _admin_port(cls, v: int, info: ValidationInfo) -> int:
+        # NOTE: validated after `port` (field order): info.data has it unless it was invalid
+        if v == info.data.get("port"):
+            raise ValueError(f"must differ from PORT (both are {v}); set ADMIN_PORT to another "
+                             "port, or to 0 for no admin listener")
+        return v
 
     @field_validator("log_level", "device", "dtype", mode="before")
     @classmethod
@@ -211,6 +228,7 @@ class ServerConfig:
     api_workers: int = 1
     host: str = "0.0.0.0"
     port: int = 8000
+    admin_port: int = 8001  # 0: none
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     max_header_bytes: int = 64 << 10
@@ -218,6 +236,7 @@ class ServerConfig:
     body_timeout_s: float = 60.0
     max_connections: int = 2048
     drain_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
     log_level: str = "info"
     access_log: bool = True
 
@@ -229,8 +248,23 @@ def _from(cls: type, settings: Settings, **resolved: Any) -> Any:
     return cls(**{**values, **resolved})
 
 
+# Parallelism variables people carry over from SGLang and vLLM: a pod runs one engine on one
+# device (service/engine/dp.py serves the benchmarks only), so any value but 1 is refused
+# rather than ignored.
+ONE_ENGINE_VARIABLES = ("DP_SIZE", "TP_SIZE", "DATA_PARALLEL_SIZE", "TENSOR_PARALLEL_SIZE")
+
+
+def _one_engine(env: dict[str, str]) -> None:
+    for k, v in env.items():
+        if k.upper() in ONE_ENGINE_VARIABLES and v.strip() != "1":
+            raise ConfigError(f"{k.upper()}={clip(repr(v))}: the service runs one engine on one "
+                              "device per pod and scales out with replicas (docs/deploying.md, "
+                              f"Autoscaling); unset {k.upper()}")
+
+
 def load_settings(env: dict[str, str] | None = None) -> Settings:
     """Read the environment (or `env`, for tests) once; raise ConfigError naming bad variables."""
+    _one_engine(dict(os.environ) if env is None else env)
     try:
         if env is None:
             return Settings()

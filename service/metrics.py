@@ -2,7 +2,8 @@
 
 Counters and histograms are recorded where they happen (API workers, the engine process); with
 PROMETHEUS_MULTIPROC_DIR set (by the supervisor) prometheus-client keeps them in per-process files
-that any worker's scrape sums. Gauges come from a plain-number snapshot taken at scrape time."""
+(an API worker's named by its slot: `use_slot`) that any worker's scrape sums. Gauges come from a
+plain-number snapshot taken at scrape time."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
+    values,
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -54,6 +56,21 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
             60.0)
 _POW2 = tuple(float(1 << i) for i in range(0, 18))  # 1 .. 131072
+
+
+def use_slot(slot: int) -> None:
+    """Name this process's metric files after API worker slot `slot` rather than its pid; call
+    before the first metric is made.
+
+    The supervisor hands a dead worker's slot to its replacement, which reopens the files with
+    their values and counts on from them: the dead worker's counts stay in the sums, and the
+    directory holds one set of files per slot however many workers die (named by pid, every
+    death would add two files that each scrape reads). Gauges are never multiprocess files
+    here, so a dead worker leaves nothing to mark dead."""
+    # NOTE: one writer per file: the supervisor starts a replacement only after the process
+    # that held the slot has exited
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        values.ValueClass = values.MultiProcessValue(lambda: f"worker{slot}")
 
 
 class _Gauges(Collector):

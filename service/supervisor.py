@@ -36,8 +36,9 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything loads (a taken port fails at once)."""
+def bind(host: str, port: int, name: str = "PORT") -> socket.socket:
+    """A listening socket, bound before anything loads (a taken port fails at once); `name` is
+    the setting that chose the port, for the error."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -45,16 +46,19 @@ def bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
     except OSError as e:
-        raise ConfigError(f"cannot listen on HOST={host!r} PORT={port}: "
+        raise ConfigError(f"cannot listen on HOST={host!r} {name}={port}: "
                           f"{e.strerror or e}") from None
     return sock
 
 
-def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig, socket.socket,
+def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig, list[socket.socket],
                                            TextTokenizer]:
-    """Everything that can fail in one line, before any process starts."""
+    """Everything that can fail in one line, before any process starts. The listening sockets:
+    PORT's, then ADMIN_PORT's unless it is 0 (every worker serves both)."""
     try:
-        sock = bind(settings.host, settings.port)
+        sockets = [bind(settings.host, settings.port)]
+        if settings.admin_port:
+            sockets.append(bind(settings.host, settings.admin_port, "ADMIN_PORT"))
     except ConfigError as e:
         fail(str(e), 1)
     from service.model.errors import ModelLoadError
@@ -78,16 +82,16 @@ def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig, socket.so
                     cuda_requirement())
     log.info("torch CPU threads: %d (%s)", engine_cfg.cpu_threads,
              f"CPU_THREADS={settings.cpu_threads}" if settings.cpu_threads else describe_cpus())
-    return engine_cfg, server_cfg, sock, tokenizer
+    return engine_cfg, server_cfg, sockets, tokenizer
 
 
 class Supervisor:
-    def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig, sock: socket.socket,
-                 tokenizer: TextTokenizer):
+    def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig,
+                 sockets: list[socket.socket], tokenizer: TextTokenizer):
         from service.engine.board import QueueBoard
         from service.engine.messages import Addresses
 
-        self.engine_cfg, self.server_cfg, self.sock = engine_cfg, server_cfg, sock
+        self.engine_cfg, self.server_cfg, self.sockets = engine_cfg, server_cfg, sockets
         self.tokenizer = tokenizer
         self.dir = Path(tempfile.mkdtemp(prefix="triton-prefill-"))
         # NOTE: set before any child imports prometheus_client: counters go to per-process files
@@ -97,6 +101,7 @@ class Supervisor:
         QueueBoard(self.addrs.board, create=True).close()
         self.ctx = mp.get_context("spawn")
         self.workers: dict[int, BaseProcess] = {}
+        self.slots: dict[int, int] = {}  # worker id -> its metrics slot (metrics.use_slot)
         self.next_worker = 0
         self.deaths: deque[float] = deque()
         self.signals: list[int] = []
@@ -113,20 +118,25 @@ class Supervisor:
         self.engine.start()
         log.info("started the engine (pid %d)", self.engine.pid)
         alive_w.close()  # the engine holds the only write end: its death is the readers' EOF
-        for _ in range(self.server_cfg.api_workers):
-            self.spawn_worker()
+        for slot in range(self.server_cfg.api_workers):
+            self.spawn_worker(slot)
         log.info("serving %s on http://%s:%d: device=%s dtype=%s, %d API workers",
                  self.server_cfg.served_model_name, self.server_cfg.host, self.server_cfg.port,
                  self.engine_cfg.device, self.engine_cfg.dtype, self.server_cfg.api_workers)
+        if self.server_cfg.admin_port:
+            log.info("probes and scrapes on http://%s:%d (ADMIN_PORT)", self.server_cfg.host,
+                     self.server_cfg.admin_port)
 
-    def spawn_worker(self) -> None:
+    def spawn_worker(self, slot: int) -> None:
+        """A new worker id for every process (a replacement must not get the replies meant
+        for the dead one); the metrics slot is handed on."""
         i, self.next_worker = self.next_worker, self.next_worker + 1
         p = self.ctx.Process(target=worker.run, name=f"worker-{i}", args=(
-            i, self.engine_cfg, self.server_cfg, self.addrs, self.sock, self.alive,
+            i, slot, self.engine_cfg, self.server_cfg, self.addrs, self.sockets, self.alive,
             self.tokenizer))
         p.start()
         log.info("started API worker %d (pid %d)", i, p.pid)
-        self.workers[i] = p
+        self.workers[i], self.slots[i] = p, slot
 
     def worker_gone(self, i: int) -> int | None:
         """Cancel the dead worker's requests in the engine; restart it, or give up (exit code)."""
@@ -134,7 +144,7 @@ class Supervisor:
 
         from service.engine import messages as m
 
-        p = self.workers.pop(i)
+        p, slot = self.workers.pop(i), self.slots.pop(i)
         p.join(1.0)  # reaped: its exit code
         log.warning("API worker %d (pid %d) exited with %s: restarting it", i, p.pid, p.exitcode)
         if self._push is None:
@@ -150,7 +160,7 @@ class Supervisor:
             log.error("API workers died %d times within %gs: stopping", len(self.deaths),
                       RESTARTS[1])
             return self.stop_all(1)
-        self.spawn_worker()
+        self.spawn_worker(slot)  # it has exited: its files are free
         return None
 
     def on_signal(self, sig: int, _frame: object) -> None:

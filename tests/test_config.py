@@ -34,6 +34,26 @@ def test_bad_values_name_the_variable(var, value):
     assert var in str(e.value) and value.lower() in str(e.value).lower()
 
 
+@pytest.mark.parametrize("env", [{"PORT": "9000", "ADMIN_PORT": "9000"}, {"PORT": "8001"}],
+                         ids=["both-set", "port-on-the-admin-default"])
+def test_admin_port_must_differ_from_port(env):
+    with pytest.raises(ConfigError) as e:
+        load_settings(env)
+    assert "ADMIN_PORT=" in str(e.value) and "must differ from PORT" in str(e.value)
+    assert load_settings({**env, "ADMIN_PORT": "0"}).admin_port == 0  # 0: no admin listener
+
+
+@pytest.mark.parametrize("var", ["DP_SIZE", "TP_SIZE", "DATA_PARALLEL_SIZE",
+                                 "TENSOR_PARALLEL_SIZE", "dp_size"])
+def test_parallel_sizes_other_than_one_are_refused(var):
+    """One engine per pod: DP_SIZE=2 and its vLLM/SGLang kin stop start-up instead of being
+    ignored; 1 is what the service does anyway."""
+    with pytest.raises(ConfigError) as e:
+        load_settings({var: "2"})
+    assert f"{var.upper()}='2'" in str(e.value) and "scales out with replicas" in str(e.value)
+    assert load_settings({var: "1"}) == load_settings({})
+
+
 def test_every_config_field_is_a_setting_and_every_setting_reaches_a_config():
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     server = {f.name for f in dataclasses.fields(ServerConfig)}

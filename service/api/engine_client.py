@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
@@ -18,6 +19,7 @@ from service.engine.board import QueueBoard
 from service.engine.interface import (
     EngineInfo,
     EngineStats,
+    EngineTimeout,
     NotReady,
     PromptResult,
     QueueFull,
@@ -30,13 +32,18 @@ log = logging.getLogger(__name__)
 HELLO_EVERY_S = 0.2  # until the engine answers with its state (its ROUTER may not know us yet)
 FIRST_STATUS_S = 5.0  # a worker waits this long for the engine's state before it takes requests
 STATS_TIMEOUT_S = 1.0
+AUDIT_EVERY_S = 2.0  # requests unanswered this long are audited, this often
 GONE = "the engine process is gone; retry on another replica"
 
 
 class EngineClient:
     def __init__(self, addrs: m.Addresses, worker: int, *, max_queue: int,
-                 alive: Connection | None = None, key_page_size: int = 0):
+                 alive: Connection | None = None, key_page_size: int = 0,
+                 request_timeout_s: float = 600.0, audit_every_s: float = AUDIT_EVERY_S):
         self.addrs, self.worker, self.max_queue, self._alive = addrs, worker, max_queue, alive
+        # every request gets an answer: the engine's, a `dropped` one when an Audit finds the
+        # engine does not hold it, or a 504 once it has waited request_timeout_s
+        self.request_timeout_s, self.audit_every_s = request_timeout_s, audit_every_s
         # pages of this size get their prefix-cache keys here, off the engine; 0: cache is off
         self.key_page_size = key_page_size
         self.state = "loading"  # the engine's: loading | ready | failed | stopped | dead
@@ -45,6 +52,7 @@ class EngineClient:
         self.last_stats = EngineStats()
         self._board: QueueBoard | None = None
         self._pending: dict[int, asyncio.Future[list[PromptResult]]] = {}
+        self._sent: dict[int, float] = {}  # rid -> when it was submitted (monotonic)
         self._queries: dict[int, asyncio.Future[EngineStats]] = {}
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -69,7 +77,8 @@ class EngineClient:
         self._dealer.setsockopt(zmq.RCVHWM, 0)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.connect(self.addrs.outbox)
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._greet())]
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._greet()),
+                       loop.create_task(self._watch())]
         if self._alive is not None:
             loop.add_reader(self._alive.fileno(), self._engine_gone)
         try:
@@ -117,6 +126,7 @@ class EngineClient:
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        self._sent[rid] = time.monotonic()
         ps = self.key_page_size
         if not ps:
             keys = []
@@ -131,7 +141,7 @@ class EngineClient:
 
     def cancel(self, rid: int) -> None:
         """The client is gone: the engine drops the request and frees its pages."""
-        if self._pending.pop(rid, None) is not None:
+        if self._take(rid) is not None:
             self._send(m.Cancel(self.worker, [rid]))
 
     def abort(self, exc: BaseException) -> int:
@@ -159,6 +169,37 @@ class EngineClient:
     def _send(self, msg: m.ToEngine) -> None:
         self._push.send(m.encode(msg), zmq.NOBLOCK)
 
+    def _take(self, rid: int) -> asyncio.Future[list[PromptResult]] | None:
+        self._sent.pop(rid, None)
+        return self._pending.pop(rid, None)
+
+    async def _watch(self) -> None:
+        """Every `audit_every_s`: requests past their deadline get a 504 and are cancelled;
+        the rest unanswered since the last look are audited (an Audit travels behind their
+        Submits and its answers behind their Dones, so an answer on its way is never lost)."""
+        while True:
+            await asyncio.sleep(self.audit_every_s)
+            if self.state != "ready":
+                continue
+            now = time.monotonic()
+            late, audit = [], []
+            for rid in self._pending:
+                age = now - self._sent.setdefault(rid, now)
+                if age >= self.request_timeout_s:
+                    late.append(rid)
+                elif age >= self.audit_every_s:
+                    audit.append(rid)
+            for rid in late:
+                fut = self._take(rid)
+                if fut is not None and not fut.done():
+                    fut.set_exception(EngineTimeout(
+                        f"the engine did not answer within {self.request_timeout_s:g} s "
+                        "(REQUEST_TIMEOUT_S); the request was cancelled"))
+            if late:
+                self._send(m.Cancel(self.worker, late))
+            if audit:
+                self._send(m.Audit(self.worker, audit))
+
     async def _greet(self) -> None:
         while self.state == "loading":
             self._control.send(m.encode(m.Hello(self.worker)), zmq.NOBLOCK)
@@ -173,7 +214,7 @@ class EngineClient:
                 log.exception("undecodable reply (%d bytes) dropped", len(data))
                 continue
             if isinstance(msg, m.Done):
-                fut = self._pending.pop(msg.rid, None)
+                fut = self._take(msg.rid)
                 if fut is None or fut.done():
                     continue  # cancelled meanwhile
                 if msg.failure is not None:
@@ -209,6 +250,7 @@ class EngineClient:
 
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
+        self._sent.clear()
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)

@@ -13,7 +13,15 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.config import error_message
-from service.engine.interface import ForwardFailed, KVPoolExhausted, NotReady, QueueFull
+from service.engine.interface import (
+    EngineTimeout,
+    ForwardFailed,
+    InvalidRequest,
+    KVPoolExhausted,
+    NotReady,
+    QueueFull,
+    RequestDropped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +64,15 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str, str]] = {
     QueueFull: (429, "rate_limit_error", "rejected"),
     NotReady: (503, "service_unavailable", "rejected"),
     KVPoolExhausted: (503, "service_unavailable", "rejected"),
+    InvalidRequest: (400, "invalid_request_error", "bad_request"),
+    RequestDropped: (503, "service_unavailable", "error"),
+    EngineTimeout: (504, "timeout_error", "error"),
     ForwardFailed: (500, "server_error", "error"),
 }
-RETRY_AFTER_S = {QueueFull: 1, NotReady: 5}
+# what an engine request can fail with (service.engine.interface), each answered by its row above
+ENGINE_ERRORS = (QueueFull, NotReady, KVPoolExhausted, InvalidRequest, RequestDropped,
+                 EngineTimeout, ForwardFailed)
+RETRY_AFTER_S = {QueueFull: 1, NotReady: 5, RequestDropped: 1}
 
 
 def classify(exc: BaseException) -> tuple[int, str, str]:
@@ -161,7 +175,7 @@ def install(app: FastAPI, count: Callable[[str], None]) -> None:
     async def _engine(_: Request, exc: Exception) -> Response:
         return respond(exc, str(exc), None, None)
 
-    for cls in (QueueFull, NotReady, KVPoolExhausted, ForwardFailed):
+    for cls in ENGINE_ERRORS:
         app.add_exception_handler(cls, _engine)
 
     @app.exception_handler(ClientDisconnected)

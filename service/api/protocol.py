@@ -1,6 +1,7 @@
 """The HTTP/1.1 connection layer: uvicorn's httptools protocol with limits on what a client holds.
 
-A POST to /v1/ that cannot be queued is answered from its head, before an ASGI task exists."""
+A POST to /v1/ that cannot be queued is answered from its head, before an ASGI task exists.
+Connections to ADMIN_PORT count against their own allowance, not MAX_CONNECTIONS."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.api.admin import ADMIN_MAX_CONNECTIONS, AdminOnly
 from service.api.errors import error_bytes, reply
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,8 @@ class ConnectionLimits:
     max_header_bytes: int
     header_timeout_s: float
     body_timeout_s: float
-    max_connections: int
+    max_connections: int  # on PORT
+    admin_port: int = 0  # 0: no admin listener
 
 
 def raw_response(status: int, body: bytes, headers: list[tuple[bytes, bytes]],
@@ -52,13 +55,18 @@ ANSWERED = _Answered()
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    """Build with functools.partial for uvicorn.Config(http=...); `refusal()` may refuse early."""
+    """Build with functools.partial for uvicorn.Config(http=...); `refusal()` may refuse early.
+    `admin_connections`, one set per server, holds its open ADMIN_PORT connections; uvicorn's
+    `self.connections` holds all of them, both listeners'."""
 
     def __init__(self, *args: Any, limits: ConnectionLimits,
+                 admin_connections: set[GuardedProtocol],
                  count: Callable[[str], None] = lambda label: None,
                  refusal: Callable[[], Exception | None] = lambda: None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.limits, self.count, self.refusal = limits, count, refusal
+        self.admin_connections = admin_connections
+        self.admin = False  # accepted on ADMIN_PORT
         self._in_head = True  # between messages or inside a request head
         self._head_bytes = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -66,7 +74,18 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        # self.server: the local (address, port) from the transport's sockname
+        self.admin = (self.limits.admin_port != 0 and self.server is not None
+                      and self.server[1] == self.limits.admin_port)
+        if self.admin:
+            self.admin_connections.add(self)
+            self.app = AdminOnly(self.app)  # per request, pipelined ones included
+            if len(self.admin_connections) > ADMIN_MAX_CONNECTIONS:
+                self._refuse(503, "service_unavailable", "too_many_connections", "rejected",
+                             f"the admin port (ADMIN_PORT) holds {ADMIN_MAX_CONNECTIONS} "
+                             "connections; retry later")
+                return
+        elif len(self.connections) - len(self.admin_connections) > self.limits.max_connections:
             self._refuse(503, "service_unavailable", "too_many_connections", "rejected",
                          f"the server holds {self.limits.max_connections} connections "
                          "(MAX_CONNECTIONS); retry later")
@@ -75,6 +94,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.admin_connections.discard(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -102,7 +122,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.limits.body_timeout_s, self._body_timeout)
-        if (self.url.startswith(b"/v1/") and self.parser.get_method() == b"POST"
+        if (not self.admin and self.url.startswith(b"/v1/") and self.parser.get_method() == b"POST"
                 and (self.cycle is None or self.cycle.response_complete)
                 and (exc := self.refusal()) is not None):
             self._answer_from_head(exc)

@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from service.engine.interface import MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS
+from service.engine.interface import MAX_INT32, MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 
 def _unicode(text: str) -> str:
@@ -29,7 +29,10 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[StrictStr, AfterValidator(_unicode)]
-TokenIds = list[StrictInt]
+# Every integer is bounded where it enters: token ids cross to the engine as int32. Negative
+# ids within int32 pass here so that the vocabulary check can name them.
+TokenId = Annotated[StrictInt, Field(ge=-MAX_INT32 - 1, le=MAX_INT32)]
+TokenIds = list[TokenId]
 
 
 class _Sampling(BaseModel):
@@ -40,7 +43,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False,
                                description="0 = greedy (the default).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0, description="0 = off.")
+    top_k: int = Field(0, ge=0, le=MAX_INT32, description="0 = off.")
     seed: int | None = Field(None, ge=0, lt=1 << 63,
                              description="Same seed + same prompt = same token.")
 
@@ -111,15 +114,16 @@ class CompletionRequest(_Sampling):
 
     model: Text | None = Field(None, description="Optional; must name the served model if set.")
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(None, ge=0, description="0 or 1 (default 1) in this service.")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
+                                   description="0 or 1 (default 1) in this service.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_token_ids: TokenIds | None = Field(
         None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
             "An extension (vLLM's name): with logprobs set, each position's top_logprobs lists "
             "these tokens, whatever their rank, instead of the most likely ones."))
     echo: bool = False
-    n: int = Field(1, ge=1)
-    best_of: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_INT32)
+    best_of: int | None = Field(None, ge=1, le=MAX_INT32)
     stream: bool = False
     stream_options: dict | None = None
     stop: Text | list[Text] | None = None

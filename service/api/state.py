@@ -95,8 +95,9 @@ class AppState:
         if info is None:
             return out
         mem = info.memory
+        # NOTE: no model_path: /info is open without the API key, and the path says how the
+        # host is laid out (the start-up log names it); "model" is the served name
         out.update({
-            "model_path": info.model_path,
             "model_preset": cfg.model_preset,
             "architecture": info.architecture,
             "vocab_size": info.vocab_size,

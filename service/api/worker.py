@@ -1,4 +1,4 @@
-"""An API worker process: uvicorn on the shared listening socket. SIGTERM drains (503 to new
+"""An API worker process: uvicorn on the shared listening sockets. SIGTERM drains (503 to new
 requests, DRAIN_TIMEOUT_S for those in flight, then a JSON 503); a second one cuts it short."""
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ def uvicorn_config(app: FastAPI, server_cfg: ServerConfig, *, workers: int = 1,
 
     limits = ConnectionLimits(server_cfg.max_header_bytes, server_cfg.header_timeout_s,
                               server_cfg.body_timeout_s,
-                              math.ceil(server_cfg.max_connections / workers))
+                              math.ceil(server_cfg.max_connections / workers),
+                              server_cfg.admin_port)
     state = app.state.prefill
+    # admin_connections: ADMIN_PORT's open connections, shared by this server's protocols
     protocol = functools.partial(GuardedProtocol, limits=limits, count=state.metrics.count,
-                                 refusal=state.refusal)
+                                 refusal=state.refusal, admin_connections=set())
     kw = dict(http=protocol, ws="none", lifespan="on", log_level=server_cfg.log_level,
               access_log=server_cfg.access_log, timeout_graceful_shutdown=RESPONSE_FLUSH_S,
               log_config=None)
@@ -100,19 +102,26 @@ def watchdog(server: DrainingServer) -> None:
             exit_now(1)
 
 
-def run(worker: int, engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: Addresses,
-        sock: socket.socket, alive: Connection, tokenizer: TextTokenizer) -> None:
+def run(worker: int, slot: int, engine_cfg: EngineConfig, server_cfg: ServerConfig,
+        addrs: Addresses, sockets: list[socket.socket], alive: Connection,
+        tokenizer: TextTokenizer) -> None:
+    """API worker `worker` (the engine routes replies by it: new for every process); `slot`
+    names its metric files and passes from a dead worker to its replacement."""
     setup_child(server_cfg.log_level, "service.worker")
     from service.api.app import create_app
     from service.api.engine_client import EngineClient
+    from service.metrics import use_slot
+
+    use_slot(slot)  # before create_app makes the metrics
 
     engine = EngineClient(addrs, worker, max_queue=engine_cfg.max_queue_requests, alive=alive,
-                          key_page_size=engine_cfg.page_size if engine_cfg.prefix_cache else 0)
+                          key_page_size=engine_cfg.page_size if engine_cfg.prefix_cache else 0,
+                          request_timeout_s=server_cfg.request_timeout_s)
     app = create_app(engine_cfg, server_cfg, engine, tokenizer)
     server = DrainingServer(uvicorn_config(app, server_cfg, workers=server_cfg.api_workers),
                             server_cfg.drain_timeout_s)
     threading.Thread(target=watchdog, args=(server,), name="shutdown-watchdog",
                      daemon=True).start()
     freeze_heap()
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)  # PORT's and ADMIN_PORT's: one server, one event loop
     exit_now(0 if server.started else 3)

@@ -103,6 +103,8 @@ class EngineCore:
         if cfg.fold_norms and dp_group is None and self.dtype != torch.float16:
             self.model.fold_norms()
         self.stream = torch.cuda.Stream(self.device) if cuda else None
+        # On the CPU a launch runs the whole forward: nothing to overlap with the next one
+        self.synchronous = not cuda
         self.graphs, self.runners = self._runners(dp_group)
         self.forward_counts = {"graph": 0, "eager": 0}
         self.runs = {r.name: 0 for r in self.runners}

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 256  # named tokens whose logprobs one request may ask for
+MAX_TEMPERATURE = 100.0
+MAX_INT32 = (1 << 31) - 1  # token ids and top_k: what crosses the sockets as int32 or msgpack
 
 
 class QueueFull(Exception):
@@ -29,6 +31,20 @@ class KVPoolExhausted(Exception):
     """The KV pool cannot hold the pages asked for."""
 
 
+class InvalidRequest(Exception):
+    """The engine refused a request it cannot run as sent (token ids outside the vocabulary,
+    an empty prompt, parameters out of range): a worker's check missed it."""
+
+
+class RequestDropped(Exception):
+    """The engine dropped a request before answering it (a cancel not from its client, or the
+    engine no longer holds it)."""
+
+
+class EngineTimeout(Exception):
+    """The engine did not answer a request within REQUEST_TIMEOUT_S."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -40,13 +56,23 @@ class SamplingParams:
     logprob_token_ids: tuple[int, ...] = ()  # tokens whose logprobs are reported, whatever rank
 
     def __post_init__(self) -> None:
-        assert self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"
-        assert 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"
-        assert self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"
-        assert 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, (
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        assert len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS, (
-            f"at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids")
+        # NOTE: ValueError, not assert: these also check what the engine decodes off its socket
+        # (msgspec reports a ValueError from here as a validation error of the message)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k must be in [0, {MAX_INT32}], got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.top_logprobs}")
+        if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids, "
+                             f"got {len(self.logprob_token_ids)}")
 
     @property
     def greedy(self) -> bool:

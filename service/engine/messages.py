@@ -11,16 +11,20 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from service.config import EngineConfig
 from service.engine.interface import (
     EngineInfo,
     EngineStats,
     ForwardFailed,
+    InvalidRequest,
     KVPoolExhausted,
     NotReady,
     PromptResult,
     QueueFull,
+    RequestDropped,
     SamplingParams,
 )
+from service.engine.pages import KEY_BYTES
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
@@ -39,6 +43,15 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
+    worker: int
+    rids: list[int]
+
+
+class Audit(msgspec.Struct, tag=True, array_like=True):
+    """A worker's requests still unanswered; the engine answers each it does not hold with a
+    `dropped` failure. It travels behind the worker's Submits on one socket, and each answer
+    behind that request's Done, so no answer is mistaken for lost."""
+
     worker: int
     rids: list[int]
 
@@ -77,7 +90,7 @@ class StatsReply(msgspec.Struct, tag=True, array_like=True):
     stats: EngineStats
 
 
-ToEngine = Hello | Submit | Cancel | StatsQuery | WorkerGone
+ToEngine = Hello | Submit | Cancel | Audit | StatsQuery | WorkerGone
 ToWorker = Status | Done | StatsReply
 
 ERRORS: dict[str, type[Exception]] = {
@@ -85,6 +98,8 @@ ERRORS: dict[str, type[Exception]] = {
     "not_ready": NotReady,
     "kv_exhausted": KVPoolExhausted,
     "forward_failed": ForwardFailed,
+    "invalid": InvalidRequest,
+    "dropped": RequestDropped,
 }
 _KINDS = {cls: kind for kind, cls in ERRORS.items()}
 
@@ -105,6 +120,13 @@ def exception(f: Failure) -> Exception:
     if f.kind == "queue_full":
         return QueueFull(f.message, f.retry_after_s)
     return ERRORS.get(f.kind, ForwardFailed)(f.message)
+
+
+def max_submit_bytes(cfg: EngineConfig) -> int:
+    """The largest Submit the service's own limits allow (every queued prompt in one request,
+    each of the longest length, with its page keys), plus room for the rest of the message."""
+    per_token = 4 + -(-KEY_BYTES // cfg.page_size)
+    return cfg.max_queue_requests * (cfg.max_prompt_tokens * per_token + 64) + (1 << 20)
 
 
 def pack_ids(ids: Sequence[int] | np.ndarray) -> bytes:

@@ -1,8 +1,9 @@
 """The engine loop: one thread owns the engine, batches queued prompts, reports each result.
 
 Other threads only call `submit`/`cancel`/`abort`, under the lock. Admission is FIFO with all of
-a prompt's pages. Forward n + 1 is launched before forward n is read; the one stream orders
-them, so a page freed or reused meanwhile is written in turn."""
+a prompt's pages. On a GPU, forward n + 1 is launched before forward n is read; the one stream
+orders them, so a page freed or reused meanwhile is written in turn. Where a launch runs the
+whole forward (the CPU), each forward's results are delivered before the next one runs."""
 
 from __future__ import annotations
 
@@ -220,13 +221,18 @@ class Scheduler:
                 log.exception("engine close failed")
 
     def _loop(self) -> None:
-        """Launch batch n + 1, then finish batch n: the GPU never waits for the host's answers."""
+        """Launch batch n + 1, then finish batch n: the GPU never waits for the host's answers.
+        A synchronous engine has run batch n + 1 by the time its launch returns, so batch n's
+        answers would wait for it: there each batch is finished as soon as it is launched."""
         pending: InFlight | None = None
         while (batch := self._next_batch(block=pending is None)) is not None:
             launched = self._launch(batch) if batch else None
             if pending is not None:
                 self._finish(*pending)
             pending = launched
+            if pending is not None and self.engine.synchronous:
+                self._finish(*pending)
+                pending = None
         if pending is not None:
             self._finish(*pending)
 

@@ -11,20 +11,20 @@ import time
 from functools import partial
 from multiprocessing.connection import Connection
 
-import numpy as np
 import zmq
 
 from service.config import EngineConfig, ServerConfig
 from service.engine import messages as m
 from service.engine.board import QueueBoard
+from service.engine.checks import submit_prompts
 from service.engine.interface import (
-    ForwardFailed,
+    InvalidRequest,
     KVPoolExhausted,
     NotReady,
     PromptResult,
     QueueFull,
+    RequestDropped,
 )
-from service.engine.pages import split_keys
 from service.engine.prompt import Prompt, shared_query
 from service.engine.scheduler import Scheduler
 from service.process import exit_now, freeze_heap, setup_child
@@ -33,6 +33,26 @@ log = logging.getLogger(__name__)
 
 HELP_S = 0.005  # a launch this long has the main thread read the work socket meanwhile
 STOP_WAIT_S = 1.0
+CONTROL_MESSAGE_BYTES = 64 << 10  # Hello and StatsQuery are a few bytes
+BAD_MESSAGE_LOG_S = 10.0  # bad messages: one log line at most this often, with a count
+
+
+class Throttled:
+    """One warning line per `every_s` at most, counting what it did not print: a flood of bad
+    messages must not become a flood of log lines."""
+
+    def __init__(self, every_s: float):
+        self.every_s, self.next_at, self.skipped = every_s, 0.0, 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.skipped += 1
+            return
+        if self.skipped:
+            msg += f" ({self.skipped} more since the last such line)"
+        self.next_at, self.skipped = now + self.every_s, 0
+        log.warning(msg, *args)
 
 
 class Outbox:
@@ -83,6 +103,7 @@ class EngineServer:
         self.workers: set[int] = set()
         self._workers_lock = threading.Lock()
         self._inbox_lock = threading.Lock()
+        self._bad = Throttled(BAD_MESSAGE_LOG_S)
 
     def status(self) -> m.Status:
         s = self.scheduler
@@ -110,11 +131,35 @@ class EngineServer:
         self.outbox.send(key[0], m.Done(key[1], results, m.failure(exc) if exc else None))
 
     def handle(self, msg: m.ToEngine) -> None:
+        """Act on one message; a bad one is dropped with a log line and, where it names a
+        request, an answer to it. Nothing a message holds stops the engine."""
+        try:
+            self._handle(msg)
+        except InvalidRequest as e:
+            self._bad.warning("refused a %s from worker %s: %s", type(msg).__name__,
+                              msg.worker, e)
+            if isinstance(msg, m.Submit):
+                self._reply((msg.worker, msg.rid), None, e)
+        except Exception as e:  # noqa: BLE001 - a bug on a message's path fails that message
+            log.exception("a %s from worker %s failed", type(msg).__name__, msg.worker)
+            if isinstance(msg, m.Submit):
+                key = (msg.worker, msg.rid)
+                if (req := self.requests.pop(key, None)) is not None:
+                    for p in req.prompts:
+                        self.scheduler.cancel(p)
+                self._reply(key, None, e)
+
+    def _handle(self, msg: m.ToEngine) -> None:
         if isinstance(msg, m.Submit):
             self.submit(msg)
         elif isinstance(msg, m.Cancel):
             for rid in msg.rids:
-                self.cancel((msg.worker, rid))
+                self.cancel((msg.worker, rid), "cancelled")
+        elif isinstance(msg, m.Audit):
+            for rid in msg.rids:
+                if (msg.worker, rid) not in self.requests:
+                    self._reply((msg.worker, rid), None, RequestDropped(
+                        "the engine holds no such request (its message was lost); retry"))
         elif isinstance(msg, m.StatsQuery):
             self.outbox.send(msg.worker, m.StatsReply(msg.qid, self.scheduler.stats()))
         elif isinstance(msg, m.Hello):
@@ -125,28 +170,25 @@ class EngineServer:
             with self._workers_lock:
                 self.workers.discard(msg.worker)
             for key in [k for k in list(self.requests) if k[0] == msg.worker]:
-                self.cancel(key)
+                self.cancel(key, "cancelled: its API worker was reported gone")
 
     def submit(self, msg: m.Submit) -> None:
         key = (msg.worker, msg.rid)
-        req = Request(self, key, len(msg.prompts))
-        keys = ([split_keys(k) for k in msg.keys] if len(msg.keys) == len(msg.prompts)
-                else [None] * len(msg.prompts))
-        ids = [m.unpack_ids(p) for p in msg.prompts]
+        if key in self.requests:
+            # the address is the request's own, which is answered in its turn
+            self._bad.warning("dropped a Submit repeating request %d of worker %d", msg.rid,
+                              msg.worker)
+            return
+        info = self.scheduler.info
+        if info is None:
+            self._reply(key, None, NotReady(f"engine is {self.scheduler.state}"))
+            return
+        ids, keys = submit_prompts(msg, info)
+        req = Request(self, key, len(ids))
         done = [partial(req.done, i) for i in range(len(ids))]
         shared = msg.shared
-        if shared:
-            if len(ids) < 2 or not 0 < shared < len(ids[0]) or min(map(len, ids[1:])) == 0:
-                self._reply(key, None, ForwardFailed(
-                    f"a Submit sharing {shared} tokens needs 2 or more prompts, each with "
-                    "tokens of its own"))
-                return
-            head = ids[0][:shared]
-            ids[1:] = [np.concatenate([head, tail]) for tail in ids[1:]]
         if shared and not msg.params.prompt_logprobs:  # those need every position computed
-            info = self.scheduler.info
-            qkeys = (keys[0][:shared // info.page_size]
-                     if info is not None and keys[0] is not None else None)
+            qkeys = keys[0][:shared // info.page_size] if keys[0] is not None else None
             req.prompts = shared_query(ids, shared, msg.params, done, partial(req.done, -1),
                                        qkeys)
         else:
@@ -158,11 +200,14 @@ class EngineServer:
             self.requests.pop(key, None)
             self._reply(key, None, e)
 
-    def cancel(self, key: tuple[int, int]) -> None:
+    def cancel(self, key: tuple[int, int], why: str) -> None:
+        """Drop a request and answer it: its worker has let it go already (the answer is then
+        ignored), or the cancel was not its worker's and the client still waits."""
         req = self.requests.pop(key, None)
         if req is not None:
             for p in req.prompts:
                 self.scheduler.cancel(p)
+            self._reply(key, None, RequestDropped(f"request {why}; retry"))
 
     def receive(self, sock: zmq.Socket, timeout_s: float) -> None:
         """Handle every message waiting, after waiting up to `timeout_s` for the first."""
@@ -175,8 +220,9 @@ class EngineServer:
                 return
             try:
                 msg = m.to_engine(data)
-            except Exception:  # noqa: BLE001 - a bad message must not stop the engine
-                log.exception("undecodable message (%d bytes) dropped", len(data))
+            except Exception as e:  # noqa: BLE001 - a bad message must not stop the engine
+                self._bad.warning("undecodable message (%d bytes) dropped: %s", len(data),
+                                  str(e)[:200])
                 continue
             self.handle(msg)
 
@@ -197,13 +243,16 @@ class EngineServer:
                     self._inbox_lock.release()
 
 
-def bind(ctx: zmq.Context, addrs: m.Addresses) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
-    """(inbox, control, router)."""
+def bind(ctx: zmq.Context, addrs: m.Addresses, max_message_bytes: int = 64 << 20
+         ) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    """(inbox, control, router). A peer that sends a message over the cap is disconnected by
+    ZeroMQ before the message is read (its worker reconnects; what it loses, Audit finds)."""
     pulls = []
-    for addr in (addrs.inbox, addrs.control):
+    for addr, cap in ((addrs.inbox, max_message_bytes), (addrs.control, CONTROL_MESSAGE_BYTES)):
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, cap)
         sock.bind(addr)
         pulls.append(sock)
     router = ctx.socket(zmq.ROUTER)
@@ -225,7 +274,7 @@ def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
     metrics = Metrics(server_cfg.served_model_name)
     board = QueueBoard(addrs.board)  # created by the supervisor
     ctx = zmq.Context()
-    inbox, control, router = bind(ctx, addrs)
+    inbox, control, router = bind(ctx, addrs, m.max_submit_bytes(engine_cfg))
     scheduler = Scheduler(lambda: EngineCore(engine_cfg),
                           max_queue=engine_cfg.max_queue_requests,
                           max_batch_prompts=engine_cfg.max_batch_prompts,

@@ -80,8 +80,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     model.eval()
     model.set_kernels(device.type == "cuda")
     secs = time.perf_counter() - t0
-    log.info("loaded %s (%s, %d layers) on %s in %s in %.2fs", model_name(str(path)), cfg.arch,
-             cfg.num_layers, device, dtype, secs)
+    log.info("loaded %s from %s (%s, %d layers) on %s in %s in %.2fs", model_name(str(path)),
+             path, cfg.arch, cfg.num_layers, device, dtype, secs)
     return LoadedModel(model, tokenizer, cfg, path, secs)
 
 

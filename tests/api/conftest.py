@@ -60,6 +60,11 @@ class TestEngine:
     def max_batch_tokens(self) -> int:
         return self._max_batch_tokens or self._core.max_batch_tokens
 
+    @property
+    def synchronous(self) -> bool:
+        """With `delay_s` it plays a GPU: a launch returns before its forward is over."""
+        return self._core.synchronous and not self.delay_s
+
     def launch(self, chunks: list) -> Any:
         """`delay_s` acts as GPU time: forwards queue behind each other and `wait` waits."""
         self.forwards.append([c.token_ids for c in chunks])
@@ -87,13 +92,14 @@ class EngineThread:
     """The engine process's server on threads of this process, over real ZeroMQ sockets."""
 
     def __init__(self, make_scheduler: Callable[[Callable[[int, int], None],
-                                                 Callable[[float], None]], Scheduler]):
+                                                 Callable[[float], None]], Scheduler],
+                 max_message_bytes: int = 64 << 20):
         self.dir = tempfile.mkdtemp(prefix="tp-")  # short: IPC paths are limited to ~100 bytes
         self.addrs = Addresses.in_dir(self.dir)
         self.board = QueueBoard(self.addrs.board, create=True)
         self.silenced = False
         self.ctx = zmq.Context()
-        inbox, control, router = server.bind(self.ctx, self.addrs)
+        inbox, control, router = server.bind(self.ctx, self.addrs, max_message_bytes)
         self.scheduler = scheduler = make_scheduler(self.board.write,
                                                     lambda t: self._poll(inbox, t))
         self.server = server.EngineServer(scheduler, _Outbox(router, self))
@@ -258,7 +264,8 @@ def make_app(core: Any, tokenizer: Any) -> Iterator[Callable[..., LiveApp]]:
         alive_r, alive_w = multiprocessing.Pipe(duplex=False)
         client = EngineClient(engine.addrs, 0, max_queue=eng_cfg.max_queue_requests,
                               alive=alive_r,
-                              key_page_size=eng_cfg.page_size if eng_cfg.prefix_cache else 0)
+                              key_page_size=eng_cfg.page_size if eng_cfg.prefix_cache else 0,
+                              request_timeout_s=srv_cfg.request_timeout_s)
         app = create_app(eng_cfg, srv_cfg, client, tokenizer, metrics=metrics)
         live = LiveApp(app, engine, alive_w)
         apps.append(live)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -18,9 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def service_env(**extra: str) -> dict[str, str]:
+    """The inherited environment without the settings a test must choose, a free ADMIN_PORT (the
+    default 8001 would collide between services), then `extra`."""
     env = {k: v for k, v in os.environ.items() if k.isupper() and k not in (
-        "MODEL_PATH", "MODEL_PRESET", "API_KEY", "PORT", "HOST")}
-    env.update(PYTHONPATH=str(REPO), **extra)
+        "MODEL_PATH", "MODEL_PRESET", "API_KEY", "PORT", "ADMIN_PORT", "HOST")}
+    env.update(PYTHONPATH=str(REPO), ADMIN_PORT=str(free_port()))
+    env.update(extra)
     return env
 
 
@@ -33,12 +38,18 @@ def running(pid: int) -> bool:
 
 
 class Service:
-    """`python -m service` on a free loopback port, its log in a file."""
+    """`python -m service` on a free loopback port and a free admin port, its log in a file."""
 
     def __init__(self, tmp: Path, wait: bool = True, **env: str):
         self.url = f"http://127.0.0.1:{(port := free_port())}"
+        env.setdefault("ADMIN_PORT", str(free_port()))
+        self.admin_url = f"http://127.0.0.1:{env['ADMIN_PORT']}"
         self.log_path = tmp / f"service-{port}.log"
         self.log = self.log_path.open("w+")
+        # its own TMPDIR, which close() removes: a supervisor ended by SIGKILL (close(), the
+        # fault tests) cannot remove its run directory. Short: IPC paths fit in ~100 bytes.
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="tps-"))
+        env["TMPDIR"] = str(self.tmpdir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service"], cwd=REPO, stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -51,6 +62,10 @@ class Service:
     def tail(self, chars: int = 4000) -> str:
         self.log.flush()
         return self.log_path.read_text()[-chars:]
+
+    def run_dirs(self) -> list[Path]:
+        """The supervisor's run directory (sockets, metric files), while it exists."""
+        return sorted(self.tmpdir.glob("triton-prefill-*"))
 
     def pids(self, what: str) -> list[int]:
         """Live pids the supervisor logged as started: "the engine" or "API worker"."""
@@ -86,7 +101,11 @@ class Service:
         return out
 
     def close(self) -> None:
+        children = self.pids("the engine") + self.pids("API worker")
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        # the children of a killed supervisor see it gone and exit; then nothing writes here
+        wait_for(lambda: not any(running(p) for p in children), 30, "the service's processes")
         self.log.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)

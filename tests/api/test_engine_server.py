@@ -148,7 +148,7 @@ def test_a_submit_sharing_a_prefix_carries_the_rest_once(core) -> None:
             assert abs(g.next.token.logprob - a.next.token.logprob) < 1e-4
         assert [r.prompt_tokens for r in grouped] == [42, 41, 43]
         assert [r.cached_tokens for r in grouped] == [40, 40, 40]
-        bad = m.Submit(0, 999, [m.pack_ids(query), m.pack_ids([])], SamplingParams(), [], 40)
+        bad = m.Submit(0, 999, [m.pack_ids(query), m.pack_ids([7])], SamplingParams(), [], 40)
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(thread.addrs.inbox)
         sock.send(m.encode(bad))

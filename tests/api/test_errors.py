@@ -313,3 +313,67 @@ def test_requests_failed_at_shutdown_get_a_503_counted_as_rejected(api) -> None:
     assert metric(metrics, "prefill_requests_total", status="rejected") == 2
     assert metric(metrics, "prefill_requests_total", status="cancelled") == 0
     wait_for(lambda: api.scheduler.kv_used_tokens == 0, 10, "pages freed")
+
+
+HUGE = [1 << 63, 1 << 64, 10**30, -(1 << 63)]
+# (route, the rest of a valid body, the integer field, where it sits)
+INTEGER_FIELDS = [
+    ("/v1/prefill", {"prompt": "a"}, "top_k", lambda v: {"top_k": v}),
+    ("/v1/prefill", {"prompt": "a"}, "seed", lambda v: {"seed": v}),
+    ("/v1/prefill", {}, "input_ids[1]", lambda v: {"input_ids": [1, v]}),
+    ("/v1/prefill", {"prompt": "a"}, "logprob_token_ids[0]",
+     lambda v: {"logprob_token_ids": [v]}),
+    ("/v1/completions", {"prompt": "a"}, "top_k", lambda v: {"top_k": v}),
+    ("/v1/completions", {}, "prompt[0]", lambda v: {"prompt": [v]}),
+    ("/v1/completions", {"prompt": "a"}, "max_tokens", lambda v: {"max_tokens": v}),
+    ("/v1/completions", {"prompt": "a"}, "n", lambda v: {"n": v}),
+    ("/v1/score", {"items": [[1]], "label_token_ids": [1]}, "query[0]",
+     lambda v: {"query": [v]}),
+    ("/v1/score", {"query": [1], "label_token_ids": [1]}, "items[0][0]",
+     lambda v: {"items": [[v]]}),
+    ("/v1/score", {"query": "a", "items": ["b"]}, "label_token_ids[0]",
+     lambda v: {"label_token_ids": [v]}),
+]
+
+
+@pytest.mark.parametrize("route,base,param,body", INTEGER_FIELDS,
+                         ids=[f"{r}:{p}" for r, _, p, _ in INTEGER_FIELDS])
+def test_integers_beyond_any_wire_type_are_a_400(api, route, base, param, body) -> None:
+    """An integer that no message to the engine could carry is refused where it enters, naming
+    the field: never a 500 from the engine boundary."""
+    for v in HUGE:
+        r = api.post(route, json={**base, **body(v)})
+        assert r.status_code == 400, (v, r.text)
+        assert r.json()["error"]["param"] == param, (v, r.text)
+
+
+def test_a_request_the_engine_drops_is_a_json_503(api) -> None:
+    """A Cancel not from the request's worker drops it in the engine; the client gets a JSON
+    503 with Retry-After (not a 500, not silence)."""
+    import zmq
+
+    from service.engine import messages as m
+
+    async def forged() -> httpx.Response:
+        api.engine.delay_s = 0.5
+        pending = asyncio.ensure_future(api.client.post("/v1/prefill", json={"prompt": "Hi"}))
+        await until(lambda: api.engine_thread.server.requests)
+        (worker, rid), = list(api.engine_thread.server.requests)
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(api.engine_thread.addrs.inbox)
+        push.send(m.encode(m.Cancel(worker, [rid])))
+        push.close(linger=1000)
+        return await pending
+
+    r = api.run(forged())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert "cancelled" in r.json()["error"]["message"]
+
+
+def test_a_request_past_request_timeout_is_a_json_504(make_app) -> None:
+    """An engine that stops answering holds no request past REQUEST_TIMEOUT_S."""
+    live = make_app(request_timeout_s=0.5)
+    live.engine_thread.silence()
+    r = live.post("/v1/prefill", json={"prompt": "Hi"})
+    assert r.status_code == 504, r.text
+    assert "REQUEST_TIMEOUT_S" in r.json()["error"]["message"]

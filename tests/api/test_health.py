@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from service.model.files import default_model_path
 from tests.api.conftest import TestEngine, metric, wait_for
 
 
@@ -12,7 +13,10 @@ def test_ready_app_endpoints(api) -> None:
     assert api.get("/ready").status_code == 200
     info = api.get("/info").json()
     assert info["state"] == "ready" and info["device"] == "cpu" and info["dtype"] == "float32"
-    assert info["model_path"].endswith(".gguf")
+    # the served name, not where the model lies: /info needs no API key
+    assert info["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    text = api.get("/info").text
+    assert str(default_model_path().parent) not in text and ".gguf" not in text
     assert info["graph"]["enabled"] is False
     assert info["graph"]["full_buckets"] == [] and info["graph"]["full_max_seqs"] == 8
     assert info["full_graph_forwards"] == 0

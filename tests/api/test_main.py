@@ -33,6 +33,7 @@ def run_service(timeout: float = 120, **env: str) -> subprocess.CompletedProcess
     ("PAGE_SIZE", "zero", "valid integer"),
     ("MODEL_PRESET", "gpt5", "unknown preset"),
     ("API_KEY", "", "would disable authentication"),
+    ("DP_SIZE", "2", "scales out with replicas"),
 ])
 def test_bad_config_exits_2(var, value, needle) -> None:
     res = run_service(**{var: value})
@@ -111,10 +112,12 @@ def test_sigterm_drains_and_exits_zero(service) -> None:
     assert slow["r"].status_code == 200, slow["r"].text + svc.tail()
     assert slow["r"].json()["results"][0]["prompt_tokens"] > 250
     assert svc.proc.wait(timeout=30) == 0, svc.tail()
+    assert not svc.run_dirs()  # the supervisor removed its directory on the way out
     log = svc.tail()
     assert "signal 15: draining for up to 60s" in log and "draining (1 requests in flight)" in log
     assert '"POST /v1/prefill' not in log, "ACCESS_LOG=false still logged requests"
     assert "loaded SmolLM2-135M-Instruct.Q4_1 " in log and "Smollm2" not in log
+    assert f"from {default_model_path()} " in log  # the path is in the log, not in /info
 
 
 @pytest.mark.parametrize("second_signal", [False, True], ids=["drain-timeout", "second-signal"])

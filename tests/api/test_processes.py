@@ -197,11 +197,16 @@ def test_a_killed_engine_fails_every_request_and_stops_the_service(service) -> N
     assert 200 not in statuses, statuses  # never a green check behind a dead engine
     assert svc.proc.returncode == 1
     assert "the engine process was killed by signal 9" in svc.tail(10**7)
+    assert not svc.run_dirs()  # the supervisor removed its directory on the way out
 
 
 def test_a_killed_worker_is_replaced_and_its_requests_cancelled(service) -> None:
     svc = service(API_WORKERS="2", MAX_PREFILL_TOKENS="16")
     workers = svc.pids("API worker")
+    ok = metric(svc.metrics(), "prefill_requests_total", status="ok")
+    for _ in range(3):  # answered, and counted, by the workers about to die
+        r = httpx.post(svc.url + "/v1/prefill", json={"prompt": "Hi"}, timeout=60)
+        assert r.status_code == 200, r.text
     slow = svc.post_in_background({"prompt": LONG * 4})
     for w in workers:  # the worker holding the request goes with the other one
         os.kill(w, signal.SIGKILL)
@@ -215,8 +220,13 @@ def test_a_killed_worker_is_replaced_and_its_requests_cancelled(service) -> None
     r = httpx.post(svc.url + "/v1/prefill", json={"prompt": "The capital of France is"},
                    timeout=60)
     assert r.status_code == 200 and r.json()["results"][0]["next_token"]["text"] == " Paris"
-    settle(svc)  # the dead worker's prompt was cancelled in the engine
+    m = settle(svc)  # the dead worker's prompt was cancelled in the engine
     assert svc.tail(10**7).count("restarting it") == 2
+    # the replacements count on in the dead workers' metric files: none lost, none added
+    assert metric(m, "prefill_requests_total", status="ok") == ok + 4
+    (run_dir,) = svc.run_dirs()
+    # a counter file and a histogram file for each of the two worker slots and the engine
+    assert len(list((run_dir / "metrics").iterdir())) == 2 * 3
 
 
 def test_the_children_exit_with_the_supervisor(service) -> None:

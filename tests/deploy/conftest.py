@@ -99,6 +99,7 @@ class LiveService:
     port: int
     log_path: Path
     drain_timeout_s: int
+    admin_port: int  # /health, /ready and /metrics, as the probes and the ServiceMonitor use
 
     def log_tail(self, n: int = 60) -> str:
         try:
@@ -110,10 +111,11 @@ class LiveService:
 
 @pytest.fixture(scope="module")
 def prefill_service(tmp_path_factory) -> Iterator[LiveService]:
-    """The real service (`python -m service`) on CPU on a free loopback port, once /ready is 200."""
+    """The real service (`python -m service`) on CPU on free loopback ports (PORT and
+    ADMIN_PORT), once /ready is 200."""
     from service.config import Settings
 
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     # Clear every setting the service reads from the inherited environment (names are
     # case-insensitive), so it runs with exactly what this fixture sets.
     env = {k: v for k, v in os.environ.items() if k.lower() not in Settings.model_fields}
@@ -121,6 +123,7 @@ def prefill_service(tmp_path_factory) -> Iterator[LiveService]:
         DEVICE="cpu",
         HOST="127.0.0.1",
         PORT=str(port),
+        ADMIN_PORT=str(admin_port),
         DRAIN_TIMEOUT_S=str(SERVICE_DRAIN_TIMEOUT_S),
         LOG_LEVEL="info",
         CUDA_VISIBLE_DEVICES="",
@@ -135,7 +138,9 @@ def prefill_service(tmp_path_factory) -> Iterator[LiveService]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    svc = LiveService(proc, f"http://127.0.0.1:{port}", port, log_path, SERVICE_DRAIN_TIMEOUT_S)
+    svc = LiveService(
+        proc, f"http://127.0.0.1:{port}", port, log_path, SERVICE_DRAIN_TIMEOUT_S, admin_port
+    )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:

@@ -103,8 +103,8 @@ def test_healthcheck_expose_stopsignal(parsed) -> None:
     assert health and "/health" in health[-1] and "CMD" in health[-1], health
     assert "curl" not in health[-1] and "wget" not in health[-1], "no curl/wget in the image"
     exposed = {p.split("/")[0] for k, a in final if k == "EXPOSE" for p in a.split()}
-    port = base_deployment()["spec"]["template"]["spec"]["containers"][0]["ports"][0]
-    assert str(port["containerPort"]) in exposed
+    ports = base_deployment()["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {str(p["containerPort"]) for p in ports} <= exposed, "PORT and ADMIN_PORT"
     assert [a for k, a in final if k == "STOPSIGNAL"] == ["SIGTERM"]
     entry = [a for k, a in final if k in ("ENTRYPOINT", "CMD")]
     assert entry and entry[-1].startswith("["), (

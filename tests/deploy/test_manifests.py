@@ -154,22 +154,31 @@ def resolve_port(c: dict, port: int | str) -> int:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes(overlay: str, rendered) -> None:
+    """The probes and the scrape go to ADMIN_PORT, which a client connection flood on PORT
+    cannot exhaust; clients reach PORT."""
     docs = rendered[overlay]
     c = container(docs)
-    listen = int(effective_env(docs).get("PORT") or 8000)
+    env = effective_env(docs)
+    listen = int(env.get("PORT") or 8000)
+    admin = int(env.get("ADMIN_PORT") or 8001)
+    assert admin not in (0, listen), "the probes need an admin listener apart from PORT"
     expect = {"startupProbe": "/ready", "readinessProbe": "/ready", "livenessProbe": "/health"}
     for probe, path in expect.items():
         get = c[probe]["httpGet"]
         assert get["path"] == path, f"{probe} should GET {path}"
-        assert resolve_port(c, get["port"]) == listen, (
-            f"{probe} port != PORT the service listens on"
+        assert resolve_port(c, get["port"]) == admin, (
+            f"{probe} port != ADMIN_PORT the service answers probes on"
         )
     startup = c["startupProbe"]
     budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
     assert budget >= 300, f"startupProbe allows only {budget}s for weights + graph capture"
     svc = one(docs, "Service")
-    http = next(p for p in svc["spec"]["ports"] if p["name"] == "http")
-    assert http["port"] == 8000 and resolve_port(c, http["targetPort"]) == listen
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports["http"]["port"] == 8000 and resolve_port(c, ports["http"]["targetPort"]) == listen
+    scraped = [ports[ep["port"]] for ep in one(docs, "ServiceMonitor")["spec"]["endpoints"]]
+    assert scraped and all(resolve_port(c, p["targetPort"]) == admin for p in scraped), (
+        "the ServiceMonitor should scrape the Service port that targets ADMIN_PORT"
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -99,7 +99,10 @@ def prometheus(
                     {
                         "job_name": JOB,
                         "metrics_path": "/metrics",
-                        "static_configs": [{"targets": [f"127.0.0.1:{prefill_service.port}"]}],
+                        # ADMIN_PORT, as the ServiceMonitor scrapes the Service's `admin` port
+                        "static_configs": [
+                            {"targets": [f"127.0.0.1:{prefill_service.admin_port}"]}
+                        ],
                     }
                 ],
             }

@@ -167,10 +167,13 @@ def test_prompt_logprobs_unchanged(n, v, k) -> None:
     assert prompt_logprobs(rows, targets, k) == old_prompt_logprobs(rows, targets, k)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1),
-                                 dict(top_logprobs=21)])
-def test_invalid_params_assert(bad) -> None:
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(temperature=float("nan")),
+                                 dict(top_p=0), dict(top_k=-1), dict(top_k=1 << 64),
+                                 dict(seed=-1), dict(seed=1 << 64), dict(top_logprobs=21)])
+def test_invalid_params_raise(bad) -> None:
+    """ValueError, not assert: the engine decodes these off its socket (msgspec turns the
+    ValueError into a validation error of the message), also under `python -O`."""
+    with pytest.raises(ValueError):
         SamplingParams(**bad)
 
 

@@ -51,6 +51,7 @@ class FakeEngine:
         self.calls: list[list] = []
         self.pool.calls = self.calls
         self.permits = threading.Semaphore(0)
+        self.synchronous = False  # plays a GPU: the scheduler overlaps its forwards
         self.free_run = True
         self.fail_token: int | None = None
         self.closed = False
@@ -374,6 +375,31 @@ def test_the_next_forward_is_launched_before_the_last_is_read() -> None:
         assert ra.next.token.id == 32 and rb.next.token.id == 43
         assert [p.token.id for p in ra.prompt_logprobs] == long_ids[1:]
         await until(lambda: s.kv_used_tokens == 0, "the pages to be freed")
+        s.stop()
+
+    run(main())
+
+
+def test_a_synchronous_engine_answers_each_forward_before_running_the_next() -> None:
+    """On the CPU a launch runs the whole forward: a short prompt's answer must not wait for a
+    long prompt that arrived while it ran (the overlap of the GPU path would hold it back)."""
+    async def main():
+        eng = OverlapEngine(pages=16, page_size=4, budget=16)
+        eng.synchronous, eng.free_run = True, False
+        s = await started(eng)
+        short = req([1, 2, 3])
+        s.submit([short])
+        await until(lambda: len(eng.calls) == 1, "the short prompt's forward")
+        long_ = req(list(range(10, 26)))
+        s.submit([long_])
+        eng.permits.release()  # the short prompt's forward ends; the long one's then blocks
+        await until(lambda: len(eng.calls) == 2, "the long prompt's forward")
+        done = await asyncio.wait_for(short.future, 2)  # while the long forward still runs
+        assert done.next.token.id == 4 and not long_.future.done()
+        eng.free_run = True
+        eng.permits.release()
+        assert (await long_.future).next.token.id == 26
+        assert eng.events == ["launch 1", "wait 1", "launch 2", "wait 2"]
         s.stop()
 
     run(main())
