@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,19 @@ def _piece_end(text: str, start: int) -> int:
 
 
 class TextTokenizer:
+    """`chat_template`: the model's own Jinja template (tokenizer_config.json, or the GGUF's
+    `tokenizer.chat_template`), None when it has none."""
+
     def __init__(self, tok: Tokenizer, bos_id: int | None, eos_id: int | None,
-                 add_bos: bool = False):
+                 add_bos: bool = False, pad_id: int | None = None,
+                 chat_template: str | None = None):
         self.tok = tok
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.pad_id, self.chat_template = pad_id, chat_template
+
+    def token_str(self, token_id: int | None) -> str | None:
+        """The vocabulary entry of a special token (`<|im_end|>`), None for None."""
+        return None if token_id is None else self.tok.id_to_token(token_id)
 
     @property
     def vocab_size(self) -> int:
@@ -92,13 +102,43 @@ def load_hf_tokenizer(model_dir: Path, cfg: dict[str, Any] | None = None) -> Tex
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     # encode() skips the post-processor's BOS; add it when the tokenizer config asks for it
-    tc_path = model_dir / "tokenizer_config.json"
-    add_bos = False
-    if tc_path.is_file():
-        import json
+    tc = _json(model_dir / "tokenizer_config.json")
+    pad = cfg.get("pad_token_id")
+    if pad is None and (name := _token_name(tc.get("pad_token"))) is not None:
+        pad = tok.token_to_id(name)
+    return TextTokenizer(tok, cfg.get("bos_token_id"), eos,
+                         add_bos=bool(tc.get("add_bos_token", False)), pad_id=pad,
+                         chat_template=_hf_chat_template(model_dir, tc))
 
-        add_bos = bool(json.loads(tc_path.read_text()).get("add_bos_token", False))
-    return TextTokenizer(tok, cfg.get("bos_token_id"), eos, add_bos=add_bos)
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot parse: {e}") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _token_name(value: object) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _hf_chat_template(model_dir: Path, tc: dict[str, Any]) -> str | None:
+    """transformers' order: chat_template.jinja beside the tokenizer, then tokenizer_config's
+    `chat_template` (a string, or named templates of which "default" is used)."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    tpl = tc.get("chat_template")
+    if isinstance(tpl, list):
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default")
+    return tpl if isinstance(tpl, str) else None
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -144,4 +184,6 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> TextTokenizer:
         tok.add_special_tokens(control)
     return TextTokenizer(tok, meta.get("tokenizer.ggml.bos_token_id"),
                          meta.get("tokenizer.ggml.eos_token_id"),
-                         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+                         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+                         chat_template=meta.get("tokenizer.chat_template"))

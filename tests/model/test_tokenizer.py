@@ -82,3 +82,37 @@ def test_encode_within_stops_counting_early(toks, monkeypatch):
         lambda text, **kw: seen.append(len(text)) or real(text, **kw))})())
     assert ours.encode_within("7" * 5_000_000, 8192) is None  # one token per digit
     assert sum(seen) <= PIECE_CHARS
+
+
+def test_gguf_special_tokens_and_chat_template_match_transformers(toks) -> None:
+    ours, ref = toks
+    assert ours.token_str(ours.bos_id) == ref.bos_token
+    assert ours.token_str(ours.eos_id) == ref.eos_token
+    assert ours.token_str(ours.pad_id) == ref.pad_token
+    assert ours.chat_template == ref.chat_template and "<|im_start|>" in ours.chat_template
+
+
+@pytest.mark.parametrize("where", ["string", "named", "jinja file", "none"])
+def test_hf_chat_template_and_pad_token(tmp_path, where) -> None:
+    """The template transformers would use: chat_template.jinja first, then tokenizer_config's
+    string or its "default" named template; pad from the config's token name."""
+    import json
+
+    from service.model.tokenizer import load_hf_tokenizer
+    from tests.model.checkpoints import write_tokenizer
+
+    write_tokenizer(tmp_path, 300)
+    tpl = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tc: dict = {"pad_token": {"content": "</s>"}, "add_bos_token": True}
+    if where == "string":
+        tc["chat_template"] = tpl
+    elif where == "named":
+        tc["chat_template"] = [{"name": "tool_use", "template": "x"},
+                               {"name": "default", "template": tpl}]
+    elif where == "jinja file":
+        (tmp_path / "chat_template.jinja").write_text(tpl)
+        tc["chat_template"] = "not this one"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tc))
+    tok = load_hf_tokenizer(tmp_path, {"bos_token_id": 0, "eos_token_id": [1, 5]})
+    assert tok.chat_template == (None if where == "none" else tpl)
+    assert tok.token_str(tok.pad_id) == "</s>" and tok.add_bos and tok.eos_id == 1
