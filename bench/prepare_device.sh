@@ -2,7 +2,8 @@
 # Prepare what bench/h200_session.sh needs on the GPU machine (run here, in the repo root):
 #   .whl/         wheels the GPU image lacks (fastapi, uvicorn, pydantic(-settings), ...)
 #   .gpu_assets/  SmolLM2's tokenizer exported from the embedded GGUF (the 98 MB GGUF itself
-#                 cannot travel), as a tokenizer-only HF directory for MODEL_PRESET runs
+#                 cannot travel; `python -m service.tokenizer export`) with a config.json: a
+#                 tokenizer-only HF directory for MODEL_PRESET runs
 # Both are ignored by git (.git/info/exclude) and carried with the device call: carry
 # [".whl", ".gpu_assets"].
 set -euo pipefail
@@ -20,18 +21,15 @@ for p in fastapi starlette pydantic pydantic-core pydantic-settings python-doten
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${plat[@]}" -d .whl "${wheels[@]}"
-mkdir -p .gpu_assets/smollm2
+env -u MODEL_PATH "$PY" -m service.tokenizer export .gpu_assets/smollm2  # the embedded GGUF
 "$PY" - <<'PYEOF'
 import json
 
 from service.model.files import default_model_path, gguf_metadata, read_gguf
 from service.model.loader_gguf import config_from_gguf
-from service.model.tokenizer import tokenizer_from_gguf
 
 path = default_model_path()
-meta = gguf_metadata(read_gguf(path))
-tokenizer_from_gguf(meta, str(path)).tok.save(".gpu_assets/smollm2/tokenizer.json")
-c = config_from_gguf(meta, str(path))
+c = config_from_gguf(gguf_metadata(read_gguf(path)), str(path))
 json.dump(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=c.vocab_size,
                hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,

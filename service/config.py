@@ -292,7 +292,13 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
                 cpu_threads=settings.cpu_threads or usable_cpus())
     name = settings.served_model_name or model_name(settings.model_path, settings.model_preset)
     return eng, _from(ServerConfig, settings, served_model_name=name,
-                      api_workers=settings.api_workers or auto_api_workers(usable_cpus()))
+                      api_workers=api_workers(settings))
+
+
+def api_workers(settings: Settings) -> int:
+    """API_WORKERS, or from the CPU count where it is 0 (the supervisor binds a socket for each
+    before `resolve`)."""
+    return settings.api_workers or auto_api_workers(usable_cpus())
 
 
 def auto_api_workers(cpus: int) -> int:

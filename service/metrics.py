@@ -52,6 +52,12 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
                          "between chunks)."),
     "ready": ("prefill_ready", "1 when the service accepts prefill requests."),
 }
+# The KV pool's shape as an info metric (value 1, the numbers in labels, SGLang's label names),
+# from snapshot keys "page_size" and "kv_pages": the inference gateway's endpoint picker sizes its
+# prefix-cache index from it (deploy/components/inference-gateway/epp-config.yaml).
+CACHE_CONFIG_INFO = "prefill_cache_config_info"
+_CACHE_CONFIG_DOC = "KV pool: tokens per page (page_size) and pages prompts can hold (num_pages)."
+_CACHE_CONFIG_LABELS = ["page_size", "num_pages", "model_name"]
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
             60.0)
@@ -83,10 +89,16 @@ class _Gauges(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(snap.get(key, 0.0)))
             yield g
+        info = GaugeMetricFamily(CACHE_CONFIG_INFO, _CACHE_CONFIG_DOC, labels=_CACHE_CONFIG_LABELS)
+        if "page_size" in snap:  # no series until the engine has sized its KV pool
+            shape = [str(int(snap["page_size"])), str(int(snap["kv_pages"]))]
+            info.add_metric([*shape, self._model], 1.0)
+        yield info
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         for _, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, labels=["model_name"])
+        yield GaugeMetricFamily(CACHE_CONFIG_INFO, _CACHE_CONFIG_DOC, labels=_CACHE_CONFIG_LABELS)
 
 
 class Metrics:

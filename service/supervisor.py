@@ -20,7 +20,15 @@ from pathlib import Path
 
 from service.api import worker
 from service.api.worker import SHUTDOWN_MARGIN_S
-from service.config import ConfigError, EngineConfig, ServerConfig, Settings, load_settings, resolve
+from service.config import (
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+    Settings,
+    api_workers,
+    load_settings,
+    resolve,
+)
 from service.model.tokenizer import TextTokenizer
 from service.process import setup_logging
 
@@ -29,6 +37,8 @@ log = logging.getLogger("service")
 TICK_S = 0.2
 WORKER_STOP_S = 5.0  # after the engine died: the workers' last 503s
 RESTARTS = (5, 60.0)  # more worker deaths than this within that many seconds: give up
+# Linux balances an SO_REUSEPORT group's connections over its listeners; other kernels may not
+REUSE_PORT = sys.platform.startswith("linux")
 
 
 def fail(message: str, code: int) -> None:
@@ -36,31 +46,48 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def bind(host: str, port: int, name: str = "PORT") -> socket.socket:
-    """A listening socket, bound before anything loads (a taken port fails at once); `name` is
-    the setting that chose the port, for the error."""
+def bind(host: str, port: int, name: str = "PORT", group: int = 0) -> list[socket.socket]:
+    """Listening sockets, bound before anything loads (a taken port fails at once); `name` is
+    the setting that chose the port, for the error. `group` = 0: one socket; else that many in
+    one SO_REUSEPORT group, where the kernel spreads new connections over the members that
+    listen (by a hash of the connection's addresses). A plain bind goes first: it fails while
+    anyone listens on the port, even with SO_REUSEPORT as the same user (another copy of this
+    service), which the group's binds would join."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
+
+        def bound(reuse_port: bool) -> socket.socket:
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(addr)
+            return sock
+
+        first = bound(reuse_port=False)
+        if not group:
+            return [first]
+        with first:  # NOTE: bound, never listening: the group's binds pass beside it
+            return [bound(reuse_port=True) for _ in range(group)]
     except OSError as e:
         raise ConfigError(f"cannot listen on HOST={host!r} {name}={port}: "
                           f"{e.strerror or e}") from None
-    return sock
 
 
-def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig, list[socket.socket],
-                                           TextTokenizer]:
-    """Everything that can fail in one line, before any process starts. The listening sockets:
-    PORT's, then ADMIN_PORT's unless it is 0 (every worker serves both)."""
+def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig,
+                                           list[list[socket.socket]], TextTokenizer]:
+    """Everything that can fail in one line, before any process starts. The listening sockets
+    of each worker slot: a PORT socket of its own (on Linux; elsewhere one for all), then
+    ADMIN_PORT's, one for all, unless it is 0."""
+    workers = api_workers(settings)
     try:
-        sockets = [bind(settings.host, settings.port)]
-        if settings.admin_port:
-            sockets.append(bind(settings.host, settings.admin_port, "ADMIN_PORT"))
+        port = bind(settings.host, settings.port, group=workers if REUSE_PORT else 0)
+        admin = (bind(settings.host, settings.admin_port, "ADMIN_PORT") if settings.admin_port
+                 else [])
     except ConfigError as e:
         fail(str(e), 1)
+    sockets = [[port[slot % len(port)], *admin] for slot in range(workers)]
     from service.model.errors import ModelLoadError
     from service.model.files import check_model_path, model_tokenizer
 
@@ -87,7 +114,7 @@ def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig, list[sock
 
 class Supervisor:
     def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig,
-                 sockets: list[socket.socket], tokenizer: TextTokenizer):
+                 sockets: list[list[socket.socket]], tokenizer: TextTokenizer):
         from service.engine.board import QueueBoard
         from service.engine.messages import Addresses
 
@@ -129,11 +156,13 @@ class Supervisor:
 
     def spawn_worker(self, slot: int) -> None:
         """A new worker id for every process (a replacement must not get the replies meant
-        for the dead one); the metrics slot is handed on."""
+        for the dead one); the metrics slot and the slot's sockets are handed on. The supervisor
+        keeps them open: the connections the kernel queued on a dead worker's PORT socket, and
+        those it hashes there until the replacement serves it, wait for the replacement."""
         i, self.next_worker = self.next_worker, self.next_worker + 1
         p = self.ctx.Process(target=worker.run, name=f"worker-{i}", args=(
-            i, slot, self.engine_cfg, self.server_cfg, self.addrs, self.sockets, self.alive,
-            self.tokenizer))
+            i, slot, self.engine_cfg, self.server_cfg, self.addrs, self.sockets[slot],
+            self.alive, self.tokenizer))
         p.start()
         log.info("started API worker %d (pid %d)", i, p.pid)
         self.workers[i], self.slots[i] = p, slot
@@ -163,6 +192,13 @@ class Supervisor:
         self.spawn_worker(slot)  # it has exited: its files are free
         return None
 
+    def release_port(self) -> None:
+        """No worker is replaced in a drain: each PORT socket lives on only in its worker, and
+        leaves the group when that worker has drained and exits, so new connections go to the
+        workers still draining (and get their 503s), not to a socket no one serves."""
+        for sockets in self.sockets:
+            sockets[0].close()
+
     def on_signal(self, sig: int, _frame: object) -> None:
         self.signals.append(sig)
 
@@ -179,6 +215,7 @@ class Supervisor:
                 deadline = time.monotonic() + self.server_cfg.drain_timeout_s + SHUTDOWN_MARGIN_S
                 log.info("signal %d: draining for up to %gs", self.signals[0],
                          self.server_cfg.drain_timeout_s)
+                self.release_port()
             if deadline is not None:
                 if len(self.signals) > handled:
                     handled = len(self.signals)

@@ -10,12 +10,14 @@ from fastapi import FastAPI
 
 from service.api import (
     errors,
+    routes_chat,
     routes_completions,
     routes_health,
     routes_metrics,
     routes_models,
     routes_prefill,
     routes_score,
+    routes_tokenizer,
 )
 from service.api.engine_client import EngineClient
 from service.api.middleware import BodyLimit, Guard
@@ -51,6 +53,6 @@ def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engin
                        on_reject=lambda: metrics.count("bad_request"))
     app.add_middleware(Guard, draining=lambda: state.draining, count=metrics.count)
     for module in (routes_health, routes_metrics, routes_models, routes_prefill,
-                   routes_completions, routes_score):
+                   routes_completions, routes_chat, routes_score, routes_tokenizer):
         app.include_router(module.router)
     return app

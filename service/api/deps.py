@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from typing import Annotated
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Annotated, Any
 
+import msgspec
 from fastapi import Depends, Header, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 from service.api.errors import Unauthorized
 from service.api.state import AppState
+from service.engine.interface import PromptResult, SamplingParams
+
+# Logprobs an answer may report and still be built on the event loop (a few milliseconds)
+INLINE_LOGPROBS = 4096
+JSON_PIECE = 256  # items of a json_array made and encoded at a time
+_encoder = msgspec.json.Encoder()
 
 
 # NOTE: async, though neither awaits: FastAPI runs a plain `def` dependency in its thread pool
@@ -25,6 +35,38 @@ def json_response(body: BaseModel) -> Response:
     """`body` serialized once, by pydantic; the route's response_model stays for the schema.
     (Returning the model would make FastAPI dump, re-validate and encode it: three passes.)"""
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+def logprob_count(results: Sequence[PromptResult], params: SamplingParams) -> int:
+    """The logprobs an answer to `params` reports: at each position (every prompt token with
+    prompt logprobs) the token's, its alternatives' and the named tokens'."""
+    positions = sum(1 + len(r.prompt_logprobs or ()) for r in results)
+    return positions * (1 + params.top_logprobs + len(params.logprob_token_ids))
+
+
+def json_array(items: Iterable[Any]) -> msgspec.Raw:
+    """`items` (plain data) as one JSON array, made and encoded JSON_PIECE at a time: no one C
+    call of json_answer's thread holds the GIL for long, and only a piece is alive at once."""
+    it, parts = iter(items), []
+    while piece := list(itertools.islice(it, JSON_PIECE)):
+        parts.append(_encoder.encode(piece)[1:-1])
+    return msgspec.Raw(b"[" + b",".join(parts) + b"]")
+
+
+async def json_answer(logprobs: int, build: Callable[[], BaseModel | Any]) -> Response:
+    """The JSON of `build()`, a pydantic model (encoded by pydantic) or plain dicts and lists
+    (by msgspec: a float that is not finite becomes null, as pydantic writes it). An answer of
+    more than INLINE_LOGPROBS logprobs is built and encoded in a thread: megabytes of it would
+    hold the event loop, and every request of this worker, for hundreds of milliseconds. The
+    GIL still takes turns (every GIL_SWITCH_INTERVAL_S, service/process.py), so the loop
+    waits at most that long, or one C call of the build (an encode), to run."""
+
+    def encode() -> bytes | str:
+        body = build()
+        return body.model_dump_json() if isinstance(body, BaseModel) else _encoder.encode(body)
+
+    content = encode() if logprobs <= INLINE_LOGPROBS else await asyncio.to_thread(encode)
+    return Response(content, media_type="application/json")
 
 
 async def require_api_key(state: State,

@@ -11,6 +11,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.types import Receive
 
 from service.api.errors import BadInput, ClientDisconnected, ModelNotFound, PromptTooLong
+from service.api.fields import truncated
 from service.api.state import AppState
 from service.config import clip
 from service.engine.interface import NotReady, PromptResult, SamplingParams
@@ -52,29 +53,34 @@ def too_long(name: str, count: str, state: AppState) -> PromptTooLong:
                          "context_length_exceeded")
 
 
-def encode_texts(state: AppState, texts: Sequence[str], field: str,
-                 single: bool) -> list[list[int]]:
-    """Token ids of each text; an over-long one is refused after about `limit` tokens of work."""
+def encode_texts(state: AppState, texts: Sequence[str], field: str, single: bool,
+                 add_special: bool = True, truncate: int | None = None) -> list[list[int]]:
+    """Token ids of each text; an over-long one is refused after about `limit` tokens of work
+    (unless `truncate` keeps only its last tokens: then it is encoded whole)."""
     out = []
     limit = state.max_prompt_tokens
     for i, text in enumerate(texts):
         name = field if single else f"{field}[{i}]"
         if not text:
             raise BadInput(f"{name} is empty", name)
-        ids = state.tokenizer.encode_within(text, limit)
-        if ids is None:
+        if truncate is not None:
+            ids = state.tokenizer.encode(text, add_special)
+        elif (ids := state.tokenizer.encode_within(text, limit, add_special)) is None:
             raise too_long(name, f"more than {limit}", state)
         out.append(ids)
-    return check_ids(state, out, field, single)
+    return check_ids(state, out, field, single, truncate)
 
 
 def check_ids(state: AppState, prompts: list[list[int]], field: str,
-              single: bool) -> list[list[int]]:
+              single: bool, truncate: int | None = None) -> list[list[int]]:
+    """`truncate`: vLLM's truncate_prompt_tokens, applied before the checks."""
     vocab = state.engine.info.vocab_size
     limit = state.max_prompt_tokens
     if len(prompts) > state.engine_cfg.max_queue_requests:
         raise BadInput(f"{field}: {len(prompts)} prompts in one request; at most "
                        f"{state.engine_cfg.max_queue_requests} (MAX_QUEUE_REQUESTS)", field)
+    if truncate is not None:
+        prompts = [truncated(list(p), truncate, limit) for p in prompts]
     for i, ids in enumerate(prompts):
         name = field if single else f"{field}[{i}]"
         if not ids:

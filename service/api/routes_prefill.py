@@ -2,83 +2,90 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from service.api.deps import State, json_response, require_api_key
+from service.api.deps import State, json_answer, json_array, logprob_count, require_api_key
+from service.api.fields import sampling_params
 from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
-from service.api.schemas import (
-    PrefillRequest,
-    PrefillResponse,
-    PrefillResult,
-    PrefillUsage,
-    PromptTokenInfo,
-    TokenInfo,
-)
+from service.api.schemas import PrefillRequest, PrefillResponse
 from service.api.state import AppState
-from service.engine.interface import PromptResult, SamplingParams, TokenLogprob
+from service.engine.interface import PromptResult, TokenLogprob
 
 router = APIRouter(prefix="/v1", tags=["prefill"], dependencies=[Depends(require_api_key)])
 
 
 def prompt_ids(state: AppState, body: PrefillRequest) -> list[list[int]]:
+    cut = body.truncate_prompt_tokens
     if body.prompt is not None:
-        return encode_texts(state, [body.prompt], "prompt", single=True)
+        return encode_texts(state, [body.prompt], "prompt", single=True, truncate=cut)
     if body.prompts is not None:
-        return encode_texts(state, body.prompts, "prompts", single=False)
+        return encode_texts(state, body.prompts, "prompts", single=False, truncate=cut)
     ids = body.input_ids
     assert ids is not None
     if ids and isinstance(ids[0], list):
-        return check_ids(state, ids, "input_ids", single=False)  # type: ignore[arg-type]
-    return check_ids(state, [ids], "input_ids", single=True)  # type: ignore[list-item]
+        return check_ids(state, ids, "input_ids", False, cut)  # type: ignore[arg-type]
+    return check_ids(state, [ids], "input_ids", True, cut)  # type: ignore[list-item]
 
 
-def _tok(state: AppState, t: TokenLogprob) -> TokenInfo:
-    return TokenInfo(id=t.id, text=state.tokenizer.token_text(t.id), logprob=t.logprob)
+# The answer is plain dicts and lists, as the schema's models dump them: with prompt logprobs
+# it has one per prompt token and alternative, too many to build as models
 
 
-def _toks(state: AppState, ts: list[TokenLogprob] | None) -> list[TokenInfo] | None:
-    return None if ts is None else [_tok(state, t) for t in ts]
+def _tok(text: Callable[[int], str], t: int, logprob: float | None) -> dict:
+    """A TokenInfo."""
+    return {"id": t, "text": text(t), "logprob": logprob}
 
 
-def _named(state: AppState, named: tuple[int, ...], vals: list[float] | None
-           ) -> list[TokenInfo] | None:
-    return None if vals is None else [_tok(state, TokenLogprob(t, v))
-                                      for t, v in zip(named, vals)]
+def _toks(text: Callable[[int], str], ts: list[TokenLogprob]) -> list[dict]:
+    return [{"id": t, "text": text(t), "logprob": v} for t, v in ts]
+
+
+def _named(text: Callable[[int], str], named: tuple[int, ...], vals: list[float] | None
+           ) -> list[dict] | None:
+    return None if vals is None else [_tok(text, t, v) for t, v in zip(named, vals)]
 
 
 def to_result(state: AppState, i: int, ids: list[int], res: PromptResult,
-              named: tuple[int, ...]) -> PrefillResult:
+              named: tuple[int, ...]) -> dict:
+    """A PrefillResult; its prompt_logprobs are PromptTokenInfo, one per prompt token."""
+    text = state.tokenizer.token_text
     plps = None
     if res.prompt_logprobs is not None:
-        text = state.tokenizer.token_text
-        plps = [PromptTokenInfo(id=ids[0], text=text(ids[0]), logprob=None)]
-        plps += [PromptTokenInfo(id=p.token.id, text=text(p.token.id), logprob=p.token.logprob,
-                                 top_logprobs=_toks(state, p.top) if p.top else None,
-                                 token_logprobs=_named(state, named, p.named))
-                 for p in res.prompt_logprobs]
-    return PrefillResult(
-        index=i, prompt_tokens=res.prompt_tokens, cached_tokens=res.cached_tokens,
-        next_token=_tok(state, res.next.token), top_logprobs=_toks(state, res.next.top),
-        token_logprobs=_named(state, named, res.next.named), prompt_logprobs=plps,
-        queue_ms=round(res.queue_s * 1e3, 3), prefill_ms=round(res.prefill_s * 1e3, 3))
+        first = {**_tok(text, ids[0], None), "top_logprobs": None, "token_logprobs": None}
+        plps = json_array(itertools.chain([first], (
+            {"id": p.token.id, "text": text(p.token.id), "logprob": p.token.logprob,
+             "top_logprobs": _toks(text, p.top) if p.top else None,
+             "token_logprobs": _named(text, named, p.named)} for p in res.prompt_logprobs)))
+    return {"index": i, "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
+            "next_token": _tok(text, *res.next.token), "top_logprobs": _toks(text, res.next.top),
+            "token_logprobs": _named(text, named, res.next.named), "prompt_logprobs": plps,
+            "queue_ms": round(res.queue_s * 1e3, 3), "prefill_ms": round(res.prefill_s * 1e3, 3)}
+
+
+def to_response(state: AppState, prompts: list[list[int]], results: list[PromptResult],
+                named: tuple[int, ...]) -> dict:
+    """A PrefillResponse."""
+    return {"id": f"prefill-{uuid.uuid4().hex}", "object": "prefill", "model": state.model_name,
+            "results": [to_result(state, i, ids, r, named)
+                        for i, (ids, r) in enumerate(zip(prompts, results))],
+            "usage": {"prompt_tokens": sum(r.prompt_tokens for r in results),
+                      "cached_tokens": sum(r.cached_tokens for r in results)}}
 
 
 @router.post("/prefill", response_model=PrefillResponse)
 async def prefill(body: PrefillRequest, state: State, request: Request) -> Response:
     """Prefill each prompt and return its first token (greedy unless temperature > 0)."""
     prompts = await tokenized(state, request, body.model, prompt_ids, state, body)
-    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                            seed=body.seed, top_logprobs=body.top_logprobs,
-                            prompt_logprobs=body.prompt_logprobs,
-                            logprob_token_ids=named_ids(state, body.logprob_token_ids))
+    params = sampling_params(state, body, top_logprobs=body.top_logprobs,
+                             prompt_logprobs=body.prompt_logprobs,
+                             logprob_token_ids=named_ids(state, body.logprob_token_ids))
     results = await run_prompts(state, request, prompts, params)
-    out = [to_result(state, i, ids, r, params.logprob_token_ids)
-           for i, (ids, r) in enumerate(zip(prompts, results))]
+    response = await json_answer(logprob_count(results, params), lambda: to_response(
+        state, prompts, results, params.logprob_token_ids))
     state.metrics.count("ok")
-    return json_response(PrefillResponse(
-        id=f"prefill-{uuid.uuid4().hex}", model=state.model_name, results=out,
-        usage=PrefillUsage(prompt_tokens=sum(r.prompt_tokens for r in out),
-                           cached_tokens=sum(r.cached_tokens for r in out))))
+    return response

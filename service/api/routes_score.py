@@ -9,7 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from service.api.deps import State, json_response, require_api_key
+from service.api.deps import State, json_answer, logprob_count, require_api_key
 from service.api.errors import BadInput
 from service.api.prompts import (
     check_vocab,
@@ -105,14 +105,19 @@ async def score(body: ScoreRequest, state: State, request: Request) -> Response:
     prompts = await tokenized(state, request, body.model, score_prompts, state, body)
     labels = named_ids(state, body.label_token_ids, "label_token_ids")
     shared = shared_tokens(state, prompts)
-    results = await run_prompts(state, request, prompts,
-                                SamplingParams(logprob_token_ids=labels), shared)
-    out = [scores(r.next.named, body.apply_softmax) for r in results]
+    params = SamplingParams(logprob_token_ids=labels)
+    results = await run_prompts(state, request, prompts, params, shared)
+    tokens = sum(r.prompt_tokens for r in results)
+
+    def answer() -> ScoreResponse:  # items x labels scores: megabytes with thousands of items
+        return ScoreResponse(
+            scores=[scores(r.next.named, body.apply_softmax) for r in results],
+            model=state.model_name,
+            usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens,
+                             prompt_tokens_details=PromptTokensDetails(
+                                 cached_tokens=sum(r.cached_tokens for r in results))))
+
+    response = await json_answer(logprob_count(results, params), answer)
     state.metrics.on_score(len(prompts), shared)
     state.metrics.count("ok")
-    tokens = sum(r.prompt_tokens for r in results)
-    return json_response(ScoreResponse(
-        scores=out, model=state.model_name,
-        usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens,
-                         prompt_tokens_details=PromptTokensDetails(
-                             cached_tokens=sum(r.cached_tokens for r in results)))))
+    return response

@@ -3,7 +3,7 @@ SGLang's /v1/score."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -12,10 +12,19 @@ from pydantic import (
     Field,
     StrictInt,
     StrictStr,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
-from service.engine.interface import MAX_INT32, MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS
+from service.api.fields import REFUSED, ignore_unknown
+from service.engine.interface import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 
 
 def _unicode(text: str) -> str:
@@ -35,17 +44,79 @@ TokenId = Annotated[StrictInt, Field(ge=-MAX_INT32 - 1, le=MAX_INT32)]
 TokenIds = list[TokenId]
 
 
-class _Sampling(BaseModel):
-    """Sampling of the first token; greedy unless temperature > 0."""
+Finite = dict(allow_inf_nan=False)
 
-    model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False,
+class Body(BaseModel):
+    """Every request body. Unknown fields are accepted and ignored, each name logged once (as
+    vLLM and SGLang do); fields that would change the answer and are not served here are
+    refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    # declared only to be refused when set: each would change which token comes first
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_embeds: Any = None
+    use_beam_search: Any = None
+    response_format: Any = None
+
+    @field_validator(*REFUSED)
+    @classmethod
+    def _refused(cls, v: Any, info: ValidationInfo) -> Any:
+        if v in (None, False, "", [], {}) or (info.field_name == "response_format"
+                                             and v in ({"type": "text"}, "text")):
+            return v
+        raise ValueError(REFUSED[info.field_name])
+
+    @model_validator(mode="after")
+    def _unknown(self) -> Body:
+        ignore_unknown(type(self).__name__, self.model_extra)
+        return self
+
+
+class _Sampling(Body):
+    """Sampling of the first token (greedy unless temperature > 0), with vLLM's fields and
+    meanings."""
+
+    temperature: float = Field(0.0, ge=0.0, le=100.0, **Finite,
                                description="0 = greedy (the default).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0, le=MAX_INT32, description="0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, **Finite)
+    top_k: int = Field(0, ge=-1, le=MAX_INT32, description="0 or -1 = off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, **Finite)
     seed: int | None = Field(None, ge=0, lt=1 << 63,
                              description="Same seed + same prompt = same token.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, **Finite,
+                                      description="Over the prompt's tokens, as vLLM applies it.")
+    logit_bias: dict[Text, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS,
+                                                  **Finite)]] | None = Field(
+        None, description="Token id (as a string) -> added to its logit.")
+    allowed_token_ids: TokenIds | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32, description=(
+        "1 or more: the first token is none of the stop tokens (EOS, stop_token_ids)."))
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    # no effect on a first token (vLLM applies them to generated tokens only)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, **Finite)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, **Finite)
+    priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32,
+                          description="0 only: the queue is first-in, first-out.")
+    kv_transfer_params: dict[str, Any] | None = Field(None, description=(
+        "Accepted (llm-d, vLLM disaggregation); no KV is transferred: answered with null."))
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32, description=(
+        "Keep only the prompt's last k tokens; -1: the longest prompt served."))
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be -1 (the longest prompt served) or keep 1 or more tokens")
+        return v
 
 
 class PrefillRequest(_Sampling):
@@ -116,7 +187,17 @@ class CompletionRequest(_Sampling):
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
                                    description="0 or 1 (default 1) in this service.")
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
+                                              description="max_tokens when that is unset.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "vLLM's: per choice, each prompt token's logprob and rank with this many alternatives, "
+        "keyed by token id."))
+    return_token_ids: bool = False
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
     logprob_token_ids: TokenIds | None = Field(
         None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
             "An extension (vLLM's name): with logprobs set, each position's top_logprobs lists "
@@ -127,10 +208,6 @@ class CompletionRequest(_Sampling):
     stream: bool = False
     stream_options: dict | None = None
     stop: Text | list[Text] | None = None
-    # no effect on a first token
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[Text, float] | None = None
     suffix: Text | None = None
     user: Text | None = None
 
@@ -142,11 +219,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["length", "stop"]
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -167,13 +254,12 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: CompletionUsage
+    kv_transfer_params: dict[str, Any] | None = None  # no KV transfer here (vLLM's answer)
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(Body):
     """SGLang's /v1/score: each item is scored as `query + item` (`item + query` with
     item_first) by the next-token probabilities of the label tokens."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: Text | None = Field(None, description="Optional; must name the served model if set.")
     query: Text | TokenIds | None = Field(None, description=(
@@ -208,6 +294,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "triton-prefill"
     root: str
+    parent: str | None = None
     max_model_len: int
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from service.api.engine_client import EngineClient
 from service.config import EngineConfig, ServerConfig
 from service.engine.interface import EngineStats, NotReady
+from service.engine.pages import pages_for
 from service.metrics import Metrics
 from service.model.tokenizer import TextTokenizer
 
@@ -72,6 +73,7 @@ class AppState:
             cap, used = info.kv_capacity_tokens, stats.kv_used_tokens
             snap.update(kv_tokens=cap, kv_used_tokens=used,
                         kv_usage_ratio=used / cap if cap else 0.0,
+                        page_size=info.page_size, kv_pages=pages_for(cap, info.page_size),
                         graph_buckets=len(mem.buckets), mem_fraction_static=mem.mem_fraction_static)
         return snap
 

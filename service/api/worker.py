@@ -1,5 +1,6 @@
-"""An API worker process: uvicorn on the shared listening sockets. SIGTERM drains (503 to new
-requests, DRAIN_TIMEOUT_S for those in flight, then a JSON 503); a second one cuts it short."""
+"""An API worker process: uvicorn on its slot's listening sockets (PORT's, its own; ADMIN_PORT's,
+shared). SIGTERM drains (503 to new requests, DRAIN_TIMEOUT_S for those in flight, then a JSON
+503); a second one cuts it short."""
 
 from __future__ import annotations
 

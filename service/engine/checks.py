@@ -60,8 +60,16 @@ def page_keys(blobs: list[bytes], ids: list[np.ndarray], page_size: int) -> list
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
-    """What SamplingParams cannot check alone: the named tokens are the model's."""
-    bad = [t for t in params.logprob_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"logprob_token_ids: {bad[0]} is outside the vocabulary "
-                             f"(0 <= id < {vocab_size})")
+    """What SamplingParams cannot check alone: the tokens it names are the model's, and some
+    token can still come first."""
+    for name, ids in (("logprob_token_ids", params.logprob_token_ids),
+                      ("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("allowed_token_ids", params.allowed_token_ids),
+                      ("banned_token_ids", params.banned_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"{name}: {bad[0]} is outside the vocabulary "
+                                 f"(0 <= id < {vocab_size})")
+    if params.allowed_token_ids and set(params.allowed_token_ids) <= set(
+            params.banned_token_ids):
+        raise InvalidRequest("every allowed token is banned: no token can come first")

@@ -8,6 +8,8 @@ from typing import NamedTuple
 MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 256  # named tokens whose logprobs one request may ask for
 MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 1e4
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range
 MAX_INT32 = (1 << 31) - 1  # token ids and top_k: what crosses the sockets as int32 or msgpack
 
 
@@ -54,6 +56,13 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives reported for the next token (and prompt positions)
     prompt_logprobs: bool = False  # logprob of every prompt token given its prefix
     logprob_token_ids: tuple[int, ...] = ()  # tokens whose logprobs are reported, whatever rank
+    # What shapes the first token's distribution before it is drawn, with vLLM's meaning. The
+    # logprobs reported stay those of the raw logits (vLLM's default).
+    min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability
+    repetition_penalty: float = 1.0  # on the prompt's tokens: logit / p if > 0, else logit × p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these may come first
+    banned_token_ids: tuple[int, ...] = ()  # never first (min_tokens: the stop tokens)
 
     def __post_init__(self) -> None:
         # NOTE: ValueError, not assert: these also check what the engine decodes off its socket
@@ -73,6 +82,20 @@ class SamplingParams:
         if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
             raise ValueError(f"at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids, "
                              f"got {len(self.logprob_token_ids)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}]")
+
+    @property
+    def shaped(self) -> bool:
+        """The logits are changed before the token is chosen: the device's argmax is not it."""
+        return bool(self.repetition_penalty != 1.0 or self.logit_bias or self.allowed_token_ids
+                    or self.banned_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +111,7 @@ class PositionLogprobs(NamedTuple):
     token: TokenLogprob
     top: list[TokenLogprob]
     named: list[float] | None = None  # of SamplingParams.logprob_token_ids, in that order
+    rank: int = 0  # of `token` by logprob, 1 = the most likely (prompt positions; 0 elsewhere)
 
 
 class PromptResult(NamedTuple):

@@ -85,7 +85,7 @@ class Prompt:
                                                self.params.logprob_token_ids)
         if not last:
             return None
-        first = next_token(logits[-1], summary, self.params)
+        first = next_token(logits[-1], summary, self.params, self.ids)
         now = time.perf_counter()
         return PromptResult(self.num_tokens, self.cached, first,
                             self.prompt_lps if self.params.prompt_logprobs else None,

@@ -4,6 +4,7 @@ Logprobs are those of the raw logits; a seed draws on a per-request CPU generato
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import numpy as np
@@ -75,12 +76,36 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def shape(logits: torch.Tensor, params: SamplingParams, prompt: np.ndarray) -> torch.Tensor:
+    """(V,) float64 logits as vLLM's sampler sees them before temperature: the repetition
+    penalty on the prompt's tokens, the logit bias, then the allowed/banned masks."""
+    x = logits.double()
+    if params.repetition_penalty != 1.0:
+        seen = torch.from_numpy(np.unique(prompt).astype(np.int64))
+        vals = x[seen]
+        p = params.repetition_penalty
+        x[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        x[list(ids)] += torch.tensor(bias, dtype=torch.float64)
+    if params.allowed_token_ids:
+        keep = torch.full_like(x, float("-inf"))
+        keep[list(params.allowed_token_ids)] = 0.0
+        x = x + keep
+    if params.banned_token_ids:
+        x[list(params.banned_token_ids)] = float("-inf")
+    return x
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick the next token from (V,) logits: argmax, or a draw after temperature/top-k/top-p."""
+    """Pick the next token from (V,) logits: argmax, or a draw after temperature, min-p, top-k
+    and top-p (vLLM's order)."""
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits.double()
     x = (x - x.max()) / params.temperature  # <= 0, the maximum at 0: no overflow
+    if params.min_p > 0.0:  # p < min_p * p_max  <=>  log p - log p_max < log min_p
+        x = x.masked_fill(x < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -116,19 +141,22 @@ def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
     return torch.cat(out)
 
 
-def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams) -> PositionLogprobs:
-    """The first token from the last (V,) logits `row`; greedy reads only the summary (and the
-    named tokens' logprobs, which the forward reduced: EngineCore.launch)."""
+def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams,
+               prompt: np.ndarray | None = None) -> PositionLogprobs:
+    """The first token from the last (V,) logits `row` of `prompt`; greedy reads only the
+    summary (and the named tokens' logprobs, which the forward reduced: EngineCore.launch).
+    The logprob reported is the raw logits', whatever shaped the choice."""
     top = last.top_n(params.top_logprobs)
     ids = params.logprob_token_ids
     named = None
     if ids:
         assert last.named is not None, "the forward reduces a last chunk's named tokens"
         named = last.named[:len(ids)]
-    if params.greedy:
+    if params.greedy and not params.shaped:
         return PositionLogprobs(last.greedy, top, named)
     x = row.cpu()
-    tok = choose(x, params, make_generator(params.seed))
+    shaped = shape(x, params, prompt if prompt is not None else np.zeros(0, np.int64))
+    tok = choose(shaped, params, make_generator(params.seed))
     return PositionLogprobs(TokenLogprob(tok, float(log_softmax(x)[tok])), top, named)
 
 
@@ -144,10 +172,12 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int,
     for lo in range(0, len(targets), PROMPT_ROWS_PER_STEP):
         lp = log_softmax(logits[lo:lo + PROMPT_ROWS_PER_STEP])
         vals, ids = torch.topk(lp, k, dim=-1)  # (rows, k)
-        parts.append(torch.cat([lp.gather(-1, tgt[lo:lo + lp.shape[0], None]).double(),
-                                ids.double(), vals.double()], dim=-1))  # (rows, 1 + 2k)
+        own = lp.gather(-1, tgt[lo:lo + lp.shape[0], None])  # (rows, 1)
+        rank = (lp > own).sum(-1, keepdim=True) + 1  # (rows, 1)
+        parts.append(torch.cat([own.double(), rank.double(), ids.double(), vals.double()],
+                               dim=-1))  # (rows, 2 + 2k)
     packed = torch.cat(parts)
     per_row = (named_rows(logits, list(range(len(targets))), [named]).tolist() if named
                else [None] * len(targets))
-    return [PositionLogprobs(TokenLogprob(t, r[0]), _pairs(r[1:1 + k], r[1 + k:]), n)
+    return [PositionLogprobs(TokenLogprob(t, r[0]), _pairs(r[2:2 + k], r[2 + k:]), n, int(r[1]))
             for t, r, n in zip(targets, packed.tolist(), per_row)]

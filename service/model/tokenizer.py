@@ -63,13 +63,15 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """`add_special`: the BOS the model's tokenizer adds (vLLM's `add_special_tokens`)."""
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_id is not None:
+        if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
 
-    def encode_within(self, text: str, limit: int) -> list[int] | None:
+    def encode_within(self, text: str, limit: int, add_special: bool = True
+                      ) -> list[int] | None:
         """`encode(text)`, or None after about `limit` tokens of work once it surely has more."""
         if len(text) > PIECE_CHARS:
             counted = pieces = start = 0
@@ -80,10 +82,10 @@ class TextTokenizer:
                 if counted > limit + PIECE_SLACK * pieces:
                     return None
                 start = end
-        return self.encode(text)
+        return self.encode(text, add_special)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])

@@ -19,7 +19,10 @@ def test_completion_shape(api) -> None:
     assert out["object"] == "text_completion" and out["model"] == MODEL
     assert out["id"].startswith("cmpl-") and isinstance(out["created"], int)
     (choice,) = out["choices"]
-    assert choice == {"index": 0, "text": " Paris", "logprobs": None, "finish_reason": "length"}
+    assert choice == {"index": 0, "text": " Paris", "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                      "token_ids": None}  # vLLM's choice, its optional fields null
+    assert out["kv_transfer_params"] is None
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
                             "prompt_tokens_details": {"cached_tokens": 0}}
 
@@ -59,7 +62,17 @@ def test_echo_scoring_matches_prefill(api) -> None:
     ({"stream": True}, "stream"),
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"49152": 1.0}}, "logit_bias[0]"),
+    ({"logit_bias": {"5": 101.0}}, "logit_bias.5"),
+    ({"allowed_token_ids": [3, 49152]}, "allowed_token_ids[1]"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"bad_words": ["Paris"]}, "bad_words"),
+    ({"priority": 3}, "priority"),
+    ({"top_k": -2}, "top_k"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
     ({"logprobs": 21}, "logprobs"),
     ({"model": "gpt-3.5-turbo-instruct"}, "model"),
     ({"prompt": ""}, "prompt"),

@@ -139,7 +139,7 @@ def test_an_error_past_every_handler_is_a_json_500(served) -> None:
     url = served()
 
     class Broken:
-        def encode_within(self, text: str, limit: int) -> list[int]:
+        def encode_within(self, text: str, limit: int, add_special: bool = True) -> list[int]:
             raise ZeroDivisionError("tokenizer exploded")
 
     state = served.live.state

@@ -92,6 +92,26 @@ def test_unusable_address_fails_before_loading(host) -> None:
     assert res.stderr.count("\n") == 1, res.stderr  # nothing was loaded: no log lines at all
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT balancing")
+def test_port_sockets_are_one_group_and_a_taken_port_fails() -> None:
+    """PORT gets a socket per worker slot, one SO_REUSEPORT group on one address; the plain
+    bind before it fails while anyone listens on the port, with SO_REUSEPORT as this user
+    (another copy of the service) too, where the group's own binds would join it."""
+    from service.config import ConfigError
+    from service.supervisor import bind
+
+    group = bind("127.0.0.1", free_port(), group=3)
+    try:
+        assert len(group) == 3 and len({s.getsockname() for s in group}) == 1
+        for s in group:
+            s.listen()
+        with pytest.raises(ConfigError, match="Address already in use"):
+            bind("127.0.0.1", group[0].getsockname()[1], group=3)
+    finally:
+        for s in group:
+            s.close()
+
+
 def test_sigterm_drains_and_exits_zero(service) -> None:
     svc = service(DRAIN_TIMEOUT_S="60", MAX_PREFILL_TOKENS="16", ACCESS_LOG="false",
                   API_WORKERS="2")
@@ -104,6 +124,8 @@ def test_sigterm_drains_and_exits_zero(service) -> None:
     # the listener stays open while draining, so load balancers see 503s, not resets
     ready = httpx.get(svc.url + "/ready", timeout=5)
     assert ready.json()["status"] == "unavailable" and "ready" not in ready.text
+    # each worker's PORT socket, the drained one's too, sends fresh connections to a 503
+    assert [svc.status("/ready") for _ in range(8)] == [503] * 8
     with httpx.Client(base_url=svc.url, timeout=5) as keep_alive:
         refused = keep_alive.post("/v1/prefill", json={"prompt": "Hi"})
     assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]

@@ -72,6 +72,16 @@ def test_metrics_count_traffic(api) -> None:
     assert sample("prefill_forward_seconds", "prefill_forward_seconds_count", mode="eager") >= 1
 
 
+def test_cache_config_info_is_the_kv_pool(api) -> None:
+    """prefill_cache_config_info: value 1, the pool's page size and usable pages in labels (the
+    inference gateway's endpoint picker reads them: deploy/components/inference-gateway)."""
+    info = api.state.engine.info
+    (sample,) = families(api.get("/metrics").text)["prefill_cache_config_info"].samples
+    assert sample.value == 1.0
+    assert sample.labels == {"model_name": api.state.model_name, "page_size": str(info.page_size),
+                             "num_pages": str(info.kv_capacity_tokens // info.page_size)}
+
+
 def test_promtool_check_metrics(api) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import threading
 
 import pytest
 import torch
@@ -161,6 +163,47 @@ def test_small_bodies_are_tokenized_on_the_loop_large_ones_in_a_thread(api, monk
     big = prefill(api, prompt=padded)["results"][0]
     assert hops == ["prompt_ids"]
     assert big["prompt_tokens"] > small["prompt_tokens"]
+
+
+def test_the_answer_is_what_its_schema_writes(api) -> None:
+    """The answer is built as plain data: it is what PrefillResponse dumps, field for field and
+    in order, with and without prompt logprobs, alternatives and named tokens."""
+    from service.api.schemas import PrefillResponse
+
+    for body in ({"prompt": FRANCE},
+                 {"prompts": [FRANCE, "Hi"], "prompt_logprobs": True, "top_logprobs": 3,
+                  "logprob_token_ids": [5, 6]}):
+        out = prefill(api, **body)
+        assert json.dumps(PrefillResponse.model_validate(out).model_dump(mode="json")) == (
+            json.dumps(out))
+
+
+def test_a_large_answer_is_built_off_the_event_loop(api, monkeypatch) -> None:
+    """An answer of more than INLINE_LOGPROBS logprobs is built in a thread: while its build is
+    held, the app's event loop answers /health; then the answer completes."""
+    from service.api.deps import INLINE_LOGPROBS
+
+    gate, building = threading.Event(), threading.Event()
+    real = api.state.tokenizer.token_text
+
+    def held(t: int) -> str:
+        building.set()
+        gate.wait(60)
+        return real(t)
+
+    text = "The quick brown fox jumps over the lazy dog. " * 30  # ~300 tokens x 21 logprobs
+    monkeypatch.setattr(api.state.tokenizer, "token_text", held)
+    big = api.submit(api.client.post("/v1/prefill", json={
+        "prompt": text, "prompt_logprobs": True, "top_logprobs": 20}))
+    try:
+        assert building.wait(60)
+        health = api.run(api.client.get("/health"), timeout=30)  # a held loop: TimeoutError
+        assert health.status_code == 200 and not big.done()
+    finally:
+        gate.set()
+    res = big.result(60).json()["results"][0]
+    assert res["prompt_tokens"] * 21 > INLINE_LOGPROBS
+    assert res["prompt_logprobs"][-1]["text"] == real(res["prompt_logprobs"][-1]["id"])
 
 
 def test_named_token_logprobs_whatever_their_rank(api, core) -> None:

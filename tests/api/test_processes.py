@@ -11,6 +11,7 @@ import random
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -148,6 +149,43 @@ def test_concurrent_load_through_two_workers(svc) -> None:
     assert metric(m, "prefill_time_to_first_token_seconds_count") - ttft0 == sum(
         r[1] for r in results)
     assert worker_of_each_request(svc) == {"worker-0", "worker-1"}  # both workers served
+
+
+def keep_alive_burst(svc: Service) -> tuple[Counter, Counter]:
+    """16 keep-alive clients connecting in the same moment, 4 requests each: the connections
+    and requests each worker served (from its access log lines)."""
+    start = svc.log_path.stat().st_size
+    barrier = threading.Barrier(16)
+
+    def client(i: int) -> list[int]:
+        with httpx.Client(base_url=svc.url, timeout=120) as c:
+            barrier.wait(30)
+            return [c.post("/v1/prefill", json={"input_ids": [100 + i, 200 + j, 300]}
+                           ).status_code for j in range(4)]
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        codes = [c for r in pool.map(client, range(16)) for c in r]
+    assert codes == [200] * 64
+    with svc.log_path.open() as f:
+        f.seek(start)
+        # "<date> <time> INFO worker-1 uvicorn.access: 127.0.0.1:<port> - "POST /v1/prefill..."
+        lines = [ln.split() for ln in f if '"POST /v1/prefill' in ln]
+    requests = Counter(ln[3] for ln in lines)
+    connections = Counter(w for w, _ in {(ln[3], ln[5]) for ln in lines})
+    assert sum(requests.values()) == 64 and sum(connections.values()) == 16, lines
+    return connections, requests
+
+
+def test_keep_alive_clients_spread_over_the_workers(service) -> None:
+    """Each worker slot listens on a PORT socket of its own (SO_REUSEPORT): the kernel spreads
+    new connections over the slots, also while a dead worker's replacement starts (its slot's
+    connections wait for it), so the clients that reconnect then do not all pin the survivor."""
+    svc = service(API_WORKERS="2")
+    connections, requests = keep_alive_burst(svc)
+    assert set(connections) == {"worker-0", "worker-1"}, (connections, requests)
+    os.kill(svc.pids("API worker")[1], signal.SIGKILL)
+    connections, requests = keep_alive_burst(svc)  # at once: while worker-2 starts
+    assert set(connections) == {"worker-0", "worker-2"}, (connections, requests)
 
 
 def test_429_at_the_queue_limit(service) -> None:

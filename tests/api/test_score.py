@@ -144,8 +144,8 @@ def test_the_route_is_in_the_openapi_schema(api) -> None:
     ({"query": [1, -3], "items": [[5]], "label_token_ids": [1]}, "query[1]", "not a token id"),
     ({"query": "q", "items": ["a"], "label_token_ids": [1], "model": "gpt-9"}, "model",
      "does not exist"),
-    ({"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 1}, "temperature",
-     "Extra inputs"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [1], "guided_choice": ["a"]},
+     "guided_choice", "not supported"),
 ])
 def test_bad_score_requests_are_a_400_naming_the_field(api, body, field, says) -> None:
     r = api.post("/v1/score", json=body)

@@ -58,12 +58,11 @@ def rendered(kustomize) -> dict[str, list[dict]]:
     return {name: kustomize(DEPLOY / "overlays" / name) for name in OVERLAYS}
 
 
-@pytest.fixture(scope="session")
-def rendered_with_keda(kustomize, tmp_path_factory) -> dict[str, list[dict]]:
-    """Rendered docs of each overlay with the KEDA component added, by overlay name."""
+def render_with_component(kustomize, tmp_path_factory, component: str) -> dict[str, list[dict]]:
+    """Rendered docs of each overlay with deploy/components/<component> added, by overlay name."""
     out = {}
     for name in OVERLAYS:
-        root = tmp_path_factory.mktemp(f"keda-{name}")
+        root = tmp_path_factory.mktemp(f"{component}-{name}")
         # kustomize refuses absolute paths to other kustomizations, so point at them relatively.
         (root / "kustomization.yaml").write_text(
             yaml.safe_dump(
@@ -71,12 +70,24 @@ def rendered_with_keda(kustomize, tmp_path_factory) -> dict[str, list[dict]]:
                     "apiVersion": "kustomize.config.k8s.io/v1beta1",
                     "kind": "Kustomization",
                     "resources": [os.path.relpath(DEPLOY / "overlays" / name, root)],
-                    "components": [os.path.relpath(DEPLOY / "components" / "keda", root)],
+                    "components": [os.path.relpath(DEPLOY / "components" / component, root)],
                 }
             )
         )
         out[name] = kustomize(root)
     return out
+
+
+@pytest.fixture(scope="session")
+def rendered_with_keda(kustomize, tmp_path_factory) -> dict[str, list[dict]]:
+    """Rendered docs of each overlay with the KEDA component added, by overlay name."""
+    return render_with_component(kustomize, tmp_path_factory, "keda")
+
+
+@pytest.fixture(scope="session")
+def rendered_with_gateway(kustomize, tmp_path_factory) -> dict[str, list[dict]]:
+    """Rendered docs of each overlay with the inference-gateway component added, by overlay."""
+    return render_with_component(kustomize, tmp_path_factory, "inference-gateway")
 
 
 @pytest.fixture(scope="session")

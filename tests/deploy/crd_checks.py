@@ -2,13 +2,17 @@
 
 Each check returns a list of problems (empty = valid). They cover the fields the operators
 (Prometheus Operator, KEDA) require and reject unknown keys where a typo would silently drop
-configuration (a misspelt `endpoints` key means nothing is scraped).
+configuration (a misspelt `endpoints` key means nothing is scraped). The InferencePool is checked
+against its released CRD (crd_schemas.py), the endpoint picker's configuration by epp_config.py.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from crd_schemas import check_against_crd
+from epp_config import CONFIG_CHECKS
 
 DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 
@@ -191,4 +195,8 @@ CRD_CHECKS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): check_service_monitor,
     ("monitoring.coreos.com/v1", "PrometheusRule"): check_prometheus_rule,
     ("keda.sh/v1alpha1", "ScaledObject"): check_scaled_object,
+    # against the released CRD itself (crds/)
+    ("inference.networking.k8s.io/v1", "InferencePool"): check_against_crd,
+    # not a Kubernetes object: the endpoint picker's configuration file
+    **CONFIG_CHECKS,
 }

@@ -69,6 +69,9 @@ def test_every_manifest_is_used_by_a_kustomization() -> None:
         for patch in spec.get("patches", []):
             if "path" in patch:
                 referenced.add((k.parent / patch["path"]).resolve())
+        for gen in spec.get("configMapGenerator", []):
+            for entry in gen.get("files", []):  # "path" or "key=path"
+                referenced.add((k.parent / entry.rpartition("=")[2]).resolve())
     unused = [
         str(p.relative_to(DEPLOY))
         for p in DEPLOY.rglob("*.yaml")
@@ -104,6 +107,29 @@ def test_keda_component_replaces_the_hpa(overlay: str, rendered_with_keda) -> No
     scaled = one(docs, "ScaledObject")
     deployment = one(docs, "Deployment")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    problems = [f"{name_of(d)}: {msg}" for d in docs for msg in validate_doc(d)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_inference_gateway_component_adds_the_pool(overlay: str, rendered, rendered_with_gateway):
+    """The component adds the InferencePool and its endpoint picker, all valid
+    (test_inference_gateway.py checks how they fit together)."""
+    docs = rendered_with_gateway[overlay]
+    added = sorted(d["kind"] for d in docs)
+    for d in rendered[overlay]:
+        added.remove(d["kind"])
+    assert added == sorted(
+        [
+            "InferencePool",
+            "ConfigMap",
+            "Deployment",
+            "Service",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+        ]
+    ), added
     problems = [f"{name_of(d)}: {msg}" for d in docs for msg in validate_doc(d)]
     assert not problems, "\n".join(problems)
 

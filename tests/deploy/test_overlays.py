@@ -12,7 +12,7 @@ from deploy_testlib import DEPLOY, OVERLAYS, REPO, container, effective_env, one
 # Seconds allowed for pulling the multi-GB image onto a fresh node, on top of the start-up budget.
 IMAGE_PULL_ALLOWANCE_S = 300
 # Where `kubectl rollout status ... --timeout=` is documented.
-ROLLOUT_DOCS = ("docs/deploying.md", "README.md")
+ROLLOUT_DOCS = ("docs/deploying.md",)
 
 
 def weights_mounts(docs: list[dict]) -> list[tuple[dict, dict]]:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import epp_config
 import pytest
 import yaml
 from deploy_testlib import (
@@ -28,6 +29,7 @@ from deploy_testlib import (
     require_tool,
     stop_process,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from promql import foreign_metrics, metric_names, operands, selectors, substitute_grafana
 
 pytestmark = pytest.mark.slow
@@ -272,6 +274,38 @@ def series_exist_for(prom: Prometheus, expr: str) -> bool:
             if not prom.query(f'count by ({label}) ({{__name__="{name}", {label}!=""}})'):
                 return False
     return True
+
+
+def test_scrape_has_what_the_endpoint_picker_reads(prefill_service) -> None:
+    """Every metric the inference gateway's endpoint picker is configured to read
+    (deploy/components/inference-gateway/epp-config.yaml), on ADMIN_PORT where it scrapes, as the
+    series and value it parses: one gauge series per spec, queue and running a count, KV usage in
+    [0, 1], the info gauge 1 with integer page size and page count labels."""
+    post_prefill(prefill_service.url)
+    text = scrape(f"http://127.0.0.1:{prefill_service.admin_port}")
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    config = epp_config.load()
+    value = {}
+    for key, (name, matchers) in epp_config.read_metrics(config).items():
+        assert name in families, f"{key}: the service exports no {name}"
+        assert families[name].type == "gauge", f"{key}: {name} is a {families[name].type}"
+        series = [
+            s
+            for s in families[name].samples
+            if s.name == name and matchers.items() <= s.labels.items()
+        ]
+        assert len(series) == 1, f"{key}: the picker takes one series of {name}, found {series}"
+        value[key] = series[0]
+    for key in ("queuedRequestsSpec", "runningRequestsSpec"):
+        v = value[key].value
+        assert v >= 0 and v.is_integer(), f"{key}: {v} is not a count"
+    assert 0.0 <= value["kvUsageSpec"].value <= 1.0, value["kvUsageSpec"]
+    info = value["cacheInfoSpec"]
+    assert info.value == 1.0, info
+    page_size, num_pages = (info.labels.get(k, "") for k in epp_config.cache_info_labels(config))
+    assert page_size.isdigit() and num_pages.isdigit(), f"labels the picker parses as int: {info}"
+    (capacity,) = families["prefill_kv_capacity_tokens"].samples
+    assert int(page_size) * int(num_pages) == capacity.value > 0, (info, capacity)
 
 
 def test_sigterm_drains_and_exits_zero(prefill_service) -> None:

@@ -3,6 +3,7 @@ summary and the device-side prompt logprobs equal the per-row CPU computation th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,7 +45,8 @@ def old_prompt_logprobs(rows: torch.Tensor, targets: list[int], k: int) -> list[
     lp = torch.log_softmax(rows.float(), -1)
     vals, ids = torch.topk(lp, k, dim=-1)
     return [PositionLogprobs(TokenLogprob(t, float(lp[i, t])),
-                             [TokenLogprob(int(a), float(b)) for a, b in zip(ids[i], vals[i])])
+                             [TokenLogprob(int(a), float(b)) for a, b in zip(ids[i], vals[i])],
+                             None, int((lp[i] > lp[i, t]).sum()) + 1)
             for i, t in enumerate(targets)]
 
 
@@ -202,3 +204,49 @@ def test_named_rows_for_one_list_and_for_several() -> None:
     mixed = named_rows(logits, [0, 5], [(7,), (2, 49, 11)])
     torch.testing.assert_close(mixed[0], lp[0, [7, 0, 0]])
     torch.testing.assert_close(mixed[1], lp[5, [2, 49, 11]])
+
+
+def test_repetition_penalty_is_transformers_on_the_prompt_tokens() -> None:
+    """vLLM's (and transformers') repetition penalty over the prompt's tokens decides the greedy
+    token; the reported logprob stays the raw one."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    x = logits(3)
+    prompt = np.array([int(x.argmax()), 5, 5, 11], dtype=np.int32)  # the raw winner is in it
+    for penalty in (1.3, 4.0, 0.5):
+        want = RepetitionPenaltyLogitsProcessor(penalty)(
+            torch.from_numpy(prompt.astype(np.int64))[None], x.double()[None].clone())[0]
+        out = next_token(x, last_rows(x[None])[0], SamplingParams(repetition_penalty=penalty),
+                         prompt)
+        assert out.token.id == int(want.argmax())
+        assert out.token.logprob == pytest.approx(
+            float(torch.log_softmax(x.double(), -1)[out.token.id]), abs=1e-6)
+    assert next_token(x, last_rows(x[None])[0], SamplingParams(repetition_penalty=4.0),
+                      prompt).token.id != int(x.argmax())
+
+
+def test_logit_bias_and_allowed_and_banned_tokens_decide_the_greedy_token() -> None:
+    x = logits(4)
+    row = last_rows(x[None])[0]
+    low = int(x.argmin())
+    assert next_token(x, row, SamplingParams(logit_bias=((low, 100.0),))).token.id == low
+    allowed = (3, 7, 9)
+    assert next_token(x, row, SamplingParams(allowed_token_ids=allowed)).token.id == max(
+        allowed, key=lambda t: float(x[t]))
+    top2 = torch.topk(x, 2).indices.tolist()
+    assert next_token(x, row, SamplingParams(banned_token_ids=(top2[0],))).token.id == top2[1]
+
+
+def test_min_p_never_draws_below_its_share_of_the_top_token() -> None:
+    """Every draw with min_p keeps p >= min_p * p_max under the temperature's distribution, as
+    transformers' MinPLogitsWarper keeps them; without min_p some draws fall below."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    x = logits(5, v=211)
+    t, min_p = 1.5, 0.2
+    kept = MinPLogitsWarper(min_p)(None, (x.double() / t)[None])[0] > float("-inf")
+    drawn = {first(x, SamplingParams(temperature=t, min_p=min_p, seed=s)).token.id
+             for s in range(300)}
+    assert drawn and all(kept[d] for d in drawn)
+    free = {first(x, SamplingParams(temperature=t, seed=s)).token.id for s in range(300)}
+    assert any(not kept[d] for d in free)

@@ -1,0 +1,164 @@
+"""POST /v1/chat/completions: OpenAI's chat API with vLLM's extras, limited to max_tokens 0 or 1.
+
+The messages are rendered with the model's own chat template (service.api.chat_template) and
+tokenized without a BOS of the tokenizer's own (vLLM's add_special_tokens=false for chat).
+max_tokens=0 with echo=true (or prompt_logprobs) scores the rendered prompt; temperature
+defaults to 0 here."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from service.api.chat_template import render, texts
+from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id
+from service.api.deps import State, json_answer, logprob_count, require_api_key
+from service.api.errors import BadInput
+from service.api.fields import sampling_params
+from service.api.prompts import encode_texts, named_ids, run_prompts, tokenized
+from service.api.schemas import CompletionUsage, PromptTokensDetails
+from service.api.schemas_chat import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatLogprobsContent,
+    ChatResponseMessage,
+)
+from service.api.state import AppState
+from service.config import clip
+from service.engine.interface import PositionLogprobs, PromptResult
+
+router = APIRouter(prefix="/v1", tags=["chat"], dependencies=[Depends(require_api_key)])
+
+MIN_LOGPROB = -9999.0  # vLLM's floor for a reported logprob (-inf is not JSON)
+
+
+def check_supported(body: ChatCompletionRequest) -> int:
+    """Refuse what needs decoding or cannot be honoured; return max_tokens (0 or 1)."""
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, field)
+    max_tokens = 1 if max_tokens is None else max_tokens
+    if max_tokens > 1:
+        raise BadInput(f"{field}={max_tokens}: {PREFILL_ONLY} (use {field} 0 or 1)", field)
+    if body.stream:
+        raise BadInput(f"stream=true: {PREFILL_ONLY}; use stream=false", "stream")
+    if body.n != 1:
+        raise BadInput(f"n={body.n}: {PREFILL_ONLY}; only n=1 is supported", "n")
+    if body.chat_template is not None:
+        raise BadInput("chat_template: a template in the request is not accepted; the model's "
+                       "own chat template is used", "chat_template")
+    if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
+        raise BadInput(f"tool_choice={clip(str(body.tool_choice))}: forcing a tool call needs "
+                       "constrained decoding, which this service does not do; use \"auto\" or "
+                       "\"none\"", "tool_choice")
+    if body.top_logprobs and not body.logprobs:
+        raise BadInput("top_logprobs needs logprobs=true", "top_logprobs")
+    if body.logprob_token_ids and not body.logprobs:
+        raise BadInput("logprob_token_ids needs logprobs=true (the logprobs are returned there)",
+                       "logprob_token_ids")
+    if body.add_generation_prompt and body.continue_final_message:
+        raise BadInput("continue_final_message and add_generation_prompt cannot both be true: "
+                       "continue the last message or start a new one", "continue_final_message")
+    return max_tokens
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs, after vLLM's reasoning_effort (and enable_thinking from it)."""
+    extra: dict[str, Any] = {}
+    if body.reasoning_effort is not None:
+        extra = {"reasoning_effort": body.reasoning_effort,
+                 "enable_thinking": body.reasoning_effort != "none"}
+    return {**extra, **(body.chat_template_kwargs or {})}
+
+
+def chat_prompt(state: AppState, body: ChatCompletionRequest,
+                add_generation_prompt: bool) -> list[int]:
+    text = render(state.tokenizer, body.messages, add_generation_prompt=add_generation_prompt,
+                  continue_final_message=body.continue_final_message,
+                  chat_template_kwargs=template_kwargs(body), tools=body.tools,
+                  documents=body.documents)
+    (ids,) = encode_texts(state, [text], "messages", True, body.add_special_tokens,
+                          body.truncate_prompt_tokens)
+    return ids
+
+
+def _entry(name: str, logprob: float) -> ChatLogprob:
+    return ChatLogprob(token=name, logprob=max(logprob, MIN_LOGPROB),
+                       bytes=list(name.encode("utf-8", errors="replace")))
+
+
+def logprobs_content(state: AppState, body: ChatCompletionRequest, p: PositionLogprobs,
+                     named: tuple[int, ...]) -> ChatLogprobsContent:
+    """The chosen token and its top_logprobs: the most likely `top_logprobs` tokens, or the
+    named tokens and the chosen one (vLLM's logprob_token_ids)."""
+    name = ((lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids
+            else state.tokenizer.token_text)
+    if p.named is None:
+        top = [_entry(name(t.id), t.logprob) for t in p.top[:body.top_logprobs or 0]]
+    else:
+        top = [_entry(name(t), v) for t, v in zip(named, p.named)]
+        if p.token.id not in named:
+            top.append(_entry(name(p.token.id), p.token.logprob))
+    first = _entry(name(p.token.id), p.token.logprob)
+    return ChatLogprobsContent(**first.model_dump(), top_logprobs=top)
+
+
+def to_choice(state: AppState, body: ChatCompletionRequest, max_tokens: int, role: str,
+              res: PromptResult, named: tuple[int, ...]) -> ChatChoice:
+    gen = res.next.token.id if max_tokens == 1 else None
+    out = outcome(state.tokenizer, body, gen)
+    content = out.text
+    last = body.messages[-1]
+    if body.echo and last.role == role:  # vLLM: the reply continues the last message
+        content = "\n".join(texts(last, f"messages[{len(body.messages) - 1}]")) + content
+    logprobs = None
+    if body.logprobs:
+        logprobs = ChatLogprobs(content=[] if gen is None else [
+            logprobs_content(state, body, res.next, named)])
+    return ChatChoice(index=0, message=ChatResponseMessage(role=role, content=content),
+                      logprobs=logprobs, finish_reason=out.finish_reason,
+                      stop_reason=out.stop_reason,
+                      token_ids=([] if gen is None else [gen]) if body.return_token_ids else None)
+
+
+@router.post("/chat/completions", response_model=ChatCompletionResponse)
+async def chat_completions(body: ChatCompletionRequest, state: State,
+                           request: Request) -> Response:
+    max_tokens = check_supported(body)
+    add_generation_prompt = (not body.continue_final_message
+                             if body.add_generation_prompt is None
+                             else body.add_generation_prompt)
+    ids = await tokenized(state, request, body.model, chat_prompt, state, body,
+                          add_generation_prompt)
+    named = named_ids(state, body.logprob_token_ids)
+    k = (body.top_logprobs or 0) if body.logprobs else 0
+    plp = body.prompt_logprobs
+    if plp is None and body.echo:
+        plp = body.top_logprobs or 0  # vLLM: echo returns the prompt's logprobs too
+    params = sampling_params(state, body, top_logprobs=0 if named else max(k, plp or 0),
+                             prompt_logprobs=plp is not None, logprob_token_ids=named)
+    (res,) = await run_prompts(state, request, [ids], params)
+    # the reply's role: the assistant's, or the last message's when it is continued (vLLM)
+    role = "assistant" if add_generation_prompt else body.messages[-1].role
+
+    def answer() -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
+            choices=[to_choice(state, body, max_tokens, role, res, named)],
+            usage=CompletionUsage(
+                prompt_tokens=res.prompt_tokens, completion_tokens=max_tokens,
+                total_tokens=res.prompt_tokens + max_tokens,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=res.cached_tokens)),
+            prompt_logprobs=(None if plp is None
+                             else prompt_logprobs_by_id(state, ids, res, plp, named)),
+            prompt_token_ids=ids if body.return_token_ids else None)
+
+    response = await json_answer(logprob_count([res], params), answer)
+    state.metrics.count("ok")
+    return response
