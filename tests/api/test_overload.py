@@ -51,7 +51,7 @@ def test_a_429_is_answered_from_the_request_head(served, monkeypatch) -> None:
     tokenized: list[str] = []
     real = live.state.tokenizer.encode_within
     monkeypatch.setattr(live.state.tokenizer, "encode_within",
-                        lambda text, limit: tokenized.append(text) or real(text, limit))
+                        lambda text, limit, *a: tokenized.append(text) or real(text, limit, *a))
     sched = live.scheduler
     busy = []
     for n, p in enumerate(("a", "b"), 1):  # one forward on the GPU, one launched behind it
