@@ -36,14 +36,18 @@ def refused(s: socket.socket) -> None:
     assert status == 503 and body["error"]["code"] == "too_many_connections", body
 
 
-def fill(url: str, cap: int, settle_s: float = 1.0, rounds: int = 20) -> list[socket.socket]:
-    """Open partial-body connections to `url`, always a few past what is held, until exactly
-    `cap` are held open: the server refused every other one with a 503 (asserted)."""
+def fill(url: str, cap: int, settle_s: float = 1.0, rounds: int = 20,
+         exact: bool = True) -> list[socket.socket]:
+    """Open partial-body connections to `url`, always a few past what is held, until `cap` are
+    held open and the server refused every other one with a 503 (asserted). Not `exact`: more
+    than `cap` may stay unanswered once a round's new connections were all refused (with a
+    socket per worker, one can wait in a kernel accept queue while its worker starts)."""
     held: list[socket.socket] = []
     for _ in range(rounds):
-        for _ in range(cap - len(held) + 2):
-            held.append(s := connect(url))
+        new = [connect(url) for _ in range(max(2, cap - len(held) + 2))]
+        for s in new:
             s.sendall(PARTIAL_BODY)
+        held += new
         answered, _, _ = select.select(held, [], [], settle_s)
         if len(held) - len(answered) == cap:  # a refusal may come late on a loaded machine
             answered += select.select([s for s in held if s not in answered], [], [],
@@ -52,7 +56,8 @@ def fill(url: str, cap: int, settle_s: float = 1.0, rounds: int = 20) -> list[so
             refused(s)
             held.remove(s)
             s.close()
-        if len(held) == cap:
+        if len(held) == cap or (not exact and len(held) > cap
+                                and all(s in answered for s in new)):
             return held
     raise AssertionError(f"{len(held)} connections held after {rounds} rounds, not {cap}")
 
@@ -138,7 +143,7 @@ def test_probes_are_answered_through_a_connection_flood(service) -> None:
     never finish, and more keep coming; a burst of probes on ADMIN_PORT is answered in full."""
     svc = service(MAX_CONNECTIONS="8", API_WORKERS="2", BODY_TIMEOUT_S="600",
                   ACCESS_LOG="false")
-    held = fill(svc.url, 8)
+    held = fill(svc.url, 8, exact=False)
     try:
         for _ in range(3):  # every new client connection is refused: the cap is real
             status, _, body = exchange(svc.url, GET_CLOSE % b"/health")
@@ -160,7 +165,8 @@ def test_probes_are_answered_through_a_connection_flood(service) -> None:
         assert not failed, f"{len(failed)} of 90 probes failed: {failed[:5]}"
         r = httpx.post(svc.admin_url + "/v1/prefill", json={"prompt": "Hi"}, timeout=5)
         assert r.status_code == 404 and r.json() == NOT_FOUND, r.text
-        assert select.select(held, [], [], 0)[0] == [], "the flood ended before the probes did"
+        still = len(held) - len(select.select(held, [], [], 0)[0])
+        assert still >= 8, f"the flood ended before the probes did: {still} connections held"
     finally:
         for s in held:
             s.close()
