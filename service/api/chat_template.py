@@ -223,6 +223,15 @@ def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]],
     return out
 
 
+def generation_prompt(add: bool | None, continue_final_message: bool) -> bool:
+    """add_generation_prompt as vLLM resolves it: true unless the last message is continued;
+    both at once is a 400."""
+    if add and continue_final_message:
+        raise BadInput("continue_final_message and add_generation_prompt cannot both be true: "
+                       "continue the last message or start a new one", "continue_final_message")
+    return not continue_final_message if add is None else add
+
+
 def render(tokenizer: TextTokenizer, messages: Sequence[ChatMessage | Mapping[str, Any]], *,
            add_generation_prompt: bool, continue_final_message: bool,
            chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -236,9 +245,7 @@ def render(tokenizer: TextTokenizer, messages: Sequence[ChatMessage | Mapping[st
                        "rendered; send the formatted prompt to /v1/completions", "messages")
     if not messages:
         raise BadInput("messages is empty", "messages")
-    if continue_final_message and add_generation_prompt:
-        raise BadInput("continue_final_message and add_generation_prompt cannot both be true: "
-                       "continue the last message or start a new one", "continue_final_message")
+    generation_prompt(add_generation_prompt, continue_final_message)
     for key in chat_template_kwargs or {}:
         if key in RESERVED:
             raise BadInput(f"chat_template_kwargs.{key} is not allowed: it is set by the "

@@ -4,6 +4,7 @@ stop_reason, and the prompt logprobs keyed by token id."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from service.api.schemas import PromptLogprob
@@ -14,6 +15,12 @@ if TYPE_CHECKING:
     from service.api.state import AppState
 
 PREFILL_ONLY = "this is a prefill service: it computes the prompt and at most its first token"
+
+
+def token_namer(tok: TextTokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or vLLM's `token_id:N`
+    (return_tokens_as_token_ids)."""
+    return (lambda t: f"token_id:{t}") if as_ids else tok.token_text
 
 
 class Outcome(NamedTuple):

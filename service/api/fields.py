@@ -27,6 +27,8 @@ REFUSED = {  # field -> why it is refused (each constrains or changes the first 
     "prompt_embeds": f"{_NOT_HERE}: send text or token ids",
     "use_beam_search": f"(beam search) {_NOT_HERE}",
     "response_format": f"other than {{\"type\": \"text\"}} {_NOT_HERE}",
+    "chat_template": "(a template in the request) is not accepted: the model's own chat "
+                     "template renders messages",
 }
 
 _warned: set[str] = set()

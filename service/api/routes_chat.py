@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from service.api.chat_template import render, texts
-from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id
+from service.api.chat_template import generation_prompt, render, texts
+from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.deps import State, json_answer, logprob_count, require_api_key
 from service.api.errors import BadInput
 from service.api.fields import sampling_params
@@ -50,9 +50,6 @@ def check_supported(body: ChatCompletionRequest) -> int:
         raise BadInput(f"stream=true: {PREFILL_ONLY}; use stream=false", "stream")
     if body.n != 1:
         raise BadInput(f"n={body.n}: {PREFILL_ONLY}; only n=1 is supported", "n")
-    if body.chat_template is not None:
-        raise BadInput("chat_template: a template in the request is not accepted; the model's "
-                       "own chat template is used", "chat_template")
     if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
         raise BadInput(f"tool_choice={clip(str(body.tool_choice))}: forcing a tool call needs "
                        "constrained decoding, which this service does not do; use \"auto\" or "
@@ -62,9 +59,6 @@ def check_supported(body: ChatCompletionRequest) -> int:
     if body.logprob_token_ids and not body.logprobs:
         raise BadInput("logprob_token_ids needs logprobs=true (the logprobs are returned there)",
                        "logprob_token_ids")
-    if body.add_generation_prompt and body.continue_final_message:
-        raise BadInput("continue_final_message and add_generation_prompt cannot both be true: "
-                       "continue the last message or start a new one", "continue_final_message")
     return max_tokens
 
 
@@ -97,8 +91,7 @@ def logprobs_content(state: AppState, body: ChatCompletionRequest, p: PositionLo
                      named: tuple[int, ...]) -> ChatLogprobsContent:
     """The chosen token and its top_logprobs: the most likely `top_logprobs` tokens, or the
     named tokens and the chosen one (vLLM's logprob_token_ids)."""
-    name = ((lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids
-            else state.tokenizer.token_text)
+    name = token_namer(state.tokenizer, body.return_tokens_as_token_ids)
     if p.named is None:
         top = [_entry(name(t.id), t.logprob) for t in p.top[:body.top_logprobs or 0]]
     else:
@@ -131,9 +124,8 @@ def to_choice(state: AppState, body: ChatCompletionRequest, max_tokens: int, rol
 async def chat_completions(body: ChatCompletionRequest, state: State,
                            request: Request) -> Response:
     max_tokens = check_supported(body)
-    add_generation_prompt = (not body.continue_final_message
-                             if body.add_generation_prompt is None
-                             else body.add_generation_prompt)
+    add_generation_prompt = generation_prompt(body.add_generation_prompt,
+                                              body.continue_final_message)
     ids = await tokenized(state, request, body.model, chat_prompt, state, body,
                           add_generation_prompt)
     named = named_ids(state, body.logprob_token_ids)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id
+from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.deps import State, json_answer, logprob_count, require_api_key
 from service.api.errors import BadInput
 from service.api.fields import sampling_params
@@ -67,13 +67,6 @@ def prompt_inputs(state: AppState, body: CompletionRequest
     return check_ids(state, prompt, "prompt", False, cut), [None] * len(prompt)
 
 
-def _name(state: AppState, body: CompletionRequest) -> Callable[[int], str]:
-    """How a token is named in logprobs: its text, or vLLM's `token_id:N`."""
-    if body.return_tokens_as_token_ids:
-        return lambda t: f"token_id:{t}"
-    return state.tokenizer.token_text
-
-
 def _top(name: Callable[[int], str], p: PositionLogprobs, named: tuple[int, ...], k: int
          ) -> dict[str, float]:
     top = ({name(t.id): t.logprob for t in p.top[:k]} if p.named is None
@@ -91,7 +84,7 @@ def to_choice(state: AppState, i: int, body: CompletionRequest, max_tokens: int,
     named = tuple(body.logprob_token_ids or ())
     logprobs = None
     if body.logprobs is not None:
-        name = _name(state, body)
+        name = token_namer(tok, body.return_tokens_as_token_ids)
         lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         offset = 0 if body.echo else len(prompt_text)
 

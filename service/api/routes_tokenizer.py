@@ -7,9 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from service.api.chat_template import render
+from service.api.chat_template import generation_prompt, render
 from service.api.deps import State, json_response, require_api_key
-from service.api.errors import BadInput
 from service.api.prompts import check_model, check_vocab, off_loop
 from service.api.schemas_tokenizer import (
     DetokenizeRequest,
@@ -35,13 +34,9 @@ def max_model_len(state: AppState) -> int:
 
 def _tokenize(state: AppState, body: TokenizeRequest, limit: int) -> TokenizeResponse:
     if body.messages is not None:
-        if body.chat_template is not None:
-            raise BadInput("chat_template: a template in the request is not accepted; the "
-                           "model's own chat template is used", "chat_template")
-        gen = body.add_generation_prompt
         text = render(state.tokenizer, body.messages,
-                      add_generation_prompt=(not body.continue_final_message) if gen is None
-                      else gen,
+                      add_generation_prompt=generation_prompt(body.add_generation_prompt,
+                                                              body.continue_final_message),
                       continue_final_message=body.continue_final_message,
                       chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
         add_special = bool(body.add_special_tokens)  # the template writes its own

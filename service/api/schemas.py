@@ -65,6 +65,7 @@ class Body(BaseModel):
     prompt_embeds: Any = None
     use_beam_search: Any = None
     response_format: Any = None
+    chat_template: Any = None
 
     @field_validator(*REFUSED)
     @classmethod

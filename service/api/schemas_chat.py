@@ -96,7 +96,6 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     add_special_tokens: bool = Field(False, description=(
         "Add the tokenizer's BOS on top of what the template writes (vLLM's default: false)."))
-    chat_template: Text | None = Field(None, description="Refused: the model's own is used.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
         "More template variables (enable_thinking, ...)."))
     echo: bool = Field(False, description=(

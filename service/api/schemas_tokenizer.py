@@ -19,8 +19,8 @@ from service.api.schemas import Body, Text, TokenIds
 from service.api.schemas_chat import ChatMessage
 
 # fields of the chat form only (vLLM's TokenizeChatRequest)
-CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
-               "chat_template_kwargs", "tools")
+CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+               "tools")
 
 
 class TokenizeRequest(Body):
@@ -38,7 +38,6 @@ class TokenizeRequest(Body):
     add_generation_prompt: bool | None = Field(None, description=(
         "Default: true, false with continue_final_message."))
     continue_final_message: bool = False
-    chat_template: Text | None = Field(None, description="Refused: the model's own is used.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
         "Extra variables for the chat template."))
     tools: list[dict[str, Any]] | None = Field(None, description="Given to the template.")

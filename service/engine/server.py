@@ -142,19 +142,15 @@ class EngineServer:
                 self._reply((msg.worker, msg.rid), None, e)
         except Exception as e:  # noqa: BLE001 - a bug on a message's path fails that message
             log.exception("a %s from worker %s failed", type(msg).__name__, msg.worker)
-            if isinstance(msg, m.Submit):
-                key = (msg.worker, msg.rid)
-                if (req := self.requests.pop(key, None)) is not None:
-                    for p in req.prompts:
-                        self.scheduler.cancel(p)
-                self._reply(key, None, e)
+            if isinstance(msg, m.Submit) and not self.cancel((msg.worker, msg.rid), e):
+                self._reply((msg.worker, msg.rid), None, e)
 
     def _handle(self, msg: m.ToEngine) -> None:
         if isinstance(msg, m.Submit):
             self.submit(msg)
         elif isinstance(msg, m.Cancel):
             for rid in msg.rids:
-                self.cancel((msg.worker, rid), "cancelled")
+                self.cancel((msg.worker, rid), RequestDropped("request cancelled; retry"))
         elif isinstance(msg, m.Audit):
             for rid in msg.rids:
                 if (msg.worker, rid) not in self.requests:
@@ -170,7 +166,8 @@ class EngineServer:
             with self._workers_lock:
                 self.workers.discard(msg.worker)
             for key in [k for k in list(self.requests) if k[0] == msg.worker]:
-                self.cancel(key, "cancelled: its API worker was reported gone")
+                self.cancel(key, RequestDropped("request cancelled: its API worker was "
+                                                "reported gone; retry"))
 
     def submit(self, msg: m.Submit) -> None:
         key = (msg.worker, msg.rid)
@@ -200,14 +197,17 @@ class EngineServer:
             self.requests.pop(key, None)
             self._reply(key, None, e)
 
-    def cancel(self, key: tuple[int, int], why: str) -> None:
-        """Drop a request and answer it: its worker has let it go already (the answer is then
-        ignored), or the cancel was not its worker's and the client still waits."""
+    def cancel(self, key: tuple[int, int], why: BaseException) -> bool:
+        """Drop a request, if held, and answer it `why`: its worker has let it go already (the
+        answer is then ignored), or the cancel was not its worker's and the client still
+        waits."""
         req = self.requests.pop(key, None)
-        if req is not None:
-            for p in req.prompts:
-                self.scheduler.cancel(p)
-            self._reply(key, None, RequestDropped(f"request {why}; retry"))
+        if req is None:
+            return False
+        for p in req.prompts:
+            self.scheduler.cancel(p)
+        self._reply(key, None, why)
+        return True
 
     def receive(self, sock: zmq.Socket, timeout_s: float) -> None:
         """Handle every message waiting, after waiting up to `timeout_s` for the first."""
