@@ -11,7 +11,9 @@ varlen batch of 64 prompts (lengths uniform in 100..4000, seed 0) that SDPA runs
 is exact on right-padded rows, so no mask is needed; the pad/unpad copies are timed) and as a
 per-sequence loop; an extend case (1k new tokens on an 8k cached prefix, page size 16 and 1) that
 SDPA runs on contiguous K/V with a lower-right causal mask (the page gather it would need first is
-timed separately). SDPA gets GQA through enable_gqa=True where the backend takes it, otherwise
+timed separately); Gemma 3 1B's local layers (4q/1kv heads, head_dim 256, a 512-key window, S = 1k
+.. 16k) windowed against causal, SDPA causal for reference. SDPA gets GQA through enable_gqa=True
+where the backend takes it, otherwise
 K/V repeated per query head outside the timing (each row says which). A few configs of our kernels
 run side by side so the config tables can be picked from one run.
 
@@ -129,14 +131,14 @@ class Paged:
             self.page_table[b, pos // self.page_size].long() * self.page_size + pos % self.page_size
         )
 
-    def run(self, config=None):
+    def run(self, config=None, window=None):
         if isinstance(config, Sm90Config):
             return extend_attention_sm90(self.q, self.k, self.v, self.varlen, out=self.out,
                                          config=config)
         if config == TRITON:
             config = pick_config(self.q.shape[2], self.q.dtype, self.q.device)
         return extend_attention(self.q, self.k, self.v, self.k_cache, self.v_cache, self.varlen,
-                                out=self.out, config=config)
+                                out=self.out, config=config, window=window)
 
 
 def sdpa_runner(backend, q, k, v, **kw):
@@ -232,14 +234,14 @@ def causal_cases(args, cuda, device, dtype, rows):
                     rows.append(ours_row(batch, cfg, vname, flops, ref, cuda, info, graph=graph))
 
 
-def ours_row(batch: Paged, cfg, vname, flops, ref, cuda, info, graph=False) -> dict:
+def ours_row(batch: Paged, cfg, vname, flops, ref, cuda, info, graph=False, window=None) -> dict:
     row = dict(info, kernel=f"ours-{vname}")
     try:
-        out = batch.run(cfg).clone()
-        row["ms"] = bench_ms(lambda: batch.run(cfg), cuda)
+        out = batch.run(cfg, window).clone()
+        row["ms"] = bench_ms(lambda: batch.run(cfg, window), cuda)
         row["tflops"] = tflops(flops, row["ms"])
         if graph and cuda:
-            row["ms_graph"] = bench_ms(lambda: batch.run(cfg), cuda, graph=True)
+            row["ms_graph"] = bench_ms(lambda: batch.run(cfg, window), cuda, graph=True)
             row["tflops_graph"] = tflops(flops, row["ms_graph"])
         row["how"] = "one launch"
         if ref is not None:
@@ -424,6 +426,45 @@ def _extend_sdpa(backend, q4, k_all, v_all):
     return fn, (f"explicit bool mask, {how2}" if fn is not None else how)
 
 
+def window_cases(args, cuda, device, dtype, rows):
+    """Gemma 3 1B's local layers on one sequence: ours causal (the table config) and windowed,
+    SDPA causal where the backend takes head_dim 256. FLOPs count the keys each query needs
+    (windowed: min(i + 1, W)), so the windowed TFLOP/s are effective ones."""
+    H, KVH, D = 4, 1, 256
+    W = 16 if args.dry_run else 512  # dry: a window shorter than the sequence
+    seqs = [64] if args.dry_run else [1024, 2048, 4096, 8192, 16384]
+    cfg = INTERPRETER_CONFIG if not cuda else None
+    for S in seqs:
+        batch = Paged([S], [0], H, KVH, D, 16, device, dtype, seed=S + D)
+        info = dict(case="window", H=H, KVH=KVH, D=D, S=S)
+        causal, windowed = (4 * D * H * _keys_seen(S, w) for w in (S, W))
+        q4, k4, v4 = (x.unsqueeze(0).transpose(1, 2) for x in (batch.q, batch.k, batch.v))
+        make = lambda b, q4=q4, k4=k4, v4=v4: sdpa_runner(b, q4, k4, v4, is_causal=True)
+        ref = None
+        for name in BACKENDS:
+            ms, how, out, _ = timed_sdpa(name, make, cuda)
+            if out is not None and ref is None:
+                ref = out[0].transpose(0, 1)
+            rows.append(dict(info, kernel=f"sdpa-{name}-causal", ms=ms,
+                             tflops=tflops(causal, ms), how=how))
+        rows.append(ours_row(batch, cfg, "table-causal", causal, ref, cuda, info))
+        base = rows[-1].get("ms")
+        args32 = (x.float() for x in (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache))
+        ref = extend_attention_ref(*args32, batch.varlen, window=W)
+        row = ours_row(batch, cfg, f"table-window{W}", windowed, ref, cuda, info, window=W)
+        if row.get("ms") and base:
+            row["time_vs_causal"] = row["ms"] / base
+            row["how"] = (f"{row['time_vs_causal']:.2f}x ours-table-causal's time; relerr vs "
+                          "extend_attention_ref with the window")
+        rows.append(row)
+
+
+def _keys_seen(S: int, window: int) -> int:
+    """Keys summed over the queries of one sequence: query i sees min(i + 1, window)."""
+    w = min(S, window)
+    return w * (w + 1) // 2 + (S - w) * w
+
+
 def launch_overhead(cuda, device, dtype) -> dict:
     """Host microseconds per call on a tiny batch: the launcher (repeating its inputs, so its
     bound launch is reused), checking and binding anew each call, and through the custom op."""
@@ -492,14 +533,14 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny cases, CPU interpreter")
     parser.add_argument("--small", action="store_true",
                         help="only the causal cases at S = 512 and 1k (a quick re-check)")
-    parser.add_argument("--cases", default="causal,short,varlen,extend,items",
-                        help="comma-separated subset of causal,short,varlen,extend,items")
+    parser.add_argument("--cases", default="causal,short,varlen,extend,items,window",
+                        help="comma-separated subset of causal,short,varlen,extend,items,window")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the cases this many times in one process (each row gets "
                              "'rep' and its kernel name a ' (rep N)' suffix)")
     args = parser.parse_args()
     steps = {"causal": causal_cases, "short": short_cases, "varlen": varlen_case,
-             "extend": extend_cases, "items": items_cases}
+             "extend": extend_cases, "items": items_cases, "window": window_cases}
     picked = [steps[c] for c in args.cases.split(",")]
     if args.small:
         picked = [causal_cases]
@@ -564,8 +605,8 @@ def main() -> None:
     note = plot(rows, directory / "attention.png")
     md = (
         "FLOPs: causal 4·S²·D·H/2; varlen: the sum over sequences; extend "
-        "4·D·H·(new·prefix + new²/2). Times are medians of triton.testing.do_bench (L2 flushed "
-        "before each run).\n\n"
+        "4·D·H·(new·prefix + new²/2); window 4·D·H·Σᵢ min(i + 1, W), its causal rows W = S. "
+        "Times are medians of triton.testing.do_bench (L2 flushed before each run).\n\n"
         + markdown_table(header, table)
         + f"\n\nlauncher overhead (host µs/call): {meta['launch_overhead_us']}\n"
     )

@@ -42,8 +42,8 @@ from service.engine.memory import plan_kv  # noqa: E402
 from service.engine.runners import eager_peak_bytes, on_stream  # noqa: E402
 from service.engine.runners.breakable import BreakableRunner  # noqa: E402
 from service.engine.runners.eager import EagerRunner  # noqa: E402
-from service.model.config import preset  # noqa: E402
-from service.model.llama import Eager  # noqa: E402
+from service.model.decoder import Eager  # noqa: E402
+from service.model.families import preset  # noqa: E402
 from service.model.loader import random_model  # noqa: E402
 
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")

@@ -38,7 +38,8 @@ from service.engine.batch import SeqChunk  # noqa: E402
 from service.engine.core import EngineCore  # noqa: E402
 from service.engine.pages import pages_for  # noqa: E402
 from service.model.attention import AttentionBackend  # noqa: E402
-from service.model.config import ModelConfig, preset  # noqa: E402
+from service.model.config import ModelConfig  # noqa: E402
+from service.model.families import hf_dict, preset  # noqa: E402
 from service.model.loader import LoadedModel, random_model  # noqa: E402
 from service.model.weights import load_hf_state  # noqa: E402
 
@@ -51,9 +52,16 @@ def layer_params(c: ModelConfig) -> int:
     return c.num_layers * (h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 3 * h * f)
 
 
+def attended_keys(s: int, window: int = 0) -> int:
+    """Keys summed over the queries of one causal prompt of s tokens (windowed: at most W)."""
+    if not window or s <= window:
+        return s * (s + 1) // 2
+    return window * (window + 1) // 2 + (s - window) * window
+
+
 def flops(c: ModelConfig, bs: int, s: int) -> float:
-    attn = bs * 4 * s * s * c.head_dim * c.num_heads / 2 * c.num_layers  # causal
-    return 2 * layer_params(c) * bs * s + attn
+    keys = sum(attended_keys(s, c.window(i)) for i in range(c.num_layers))
+    return 2 * layer_params(c) * bs * s + bs * 4 * keys * c.head_dim * c.num_heads
 
 
 def gemm_ceiling() -> float:
@@ -138,8 +146,7 @@ def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator,
 def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator,
              profiled: tuple[tuple[int, int], ...] = ()) -> dict:
     cfg, model = loaded.cfg, loaded.model
-    model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton",
-                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton", cfg)
     unfolded = variant == "ours-graph-unfolded"
     assert not (unfolded and model.norms_folded), "the unfolded variant needs unfolded weights"
     engine = EngineCore(engine_cfg(graphs=variant.startswith(("ours-graph", "ours-breakable")),
@@ -153,29 +160,19 @@ def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator,
         del engine  # the KV pool goes with it: the next variant sizes its own
         gc.collect()
         torch.cuda.empty_cache()
-        model.attn = AttentionBackend("triton", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        model.attn = AttentionBackend("triton", cfg)
     return out
 
 
 def hf_model(cfg: ModelConfig):
+    """transformers' own implementation of `cfg`'s family and shape (SDPA attention), bf16."""
     import transformers
 
-    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-              head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-              tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=16384,
-              attn_implementation="sdpa")
-    if cfg.arch == "qwen2":
-        hcfg = transformers.Qwen2Config(**kw)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        if cfg.rope_scaling:
-            kw["rope_scaling"] = dict(cfg.rope_scaling)
-        hcfg = transformers.LlamaConfig(**kw)
-        cls = transformers.LlamaForCausalLM
+    d = hf_dict(cfg) | {"max_position_embeddings": 16384}
+    hcfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("cuda"):
-        m = cls(hcfg).to(torch.bfloat16).eval()
+        m = transformers.AutoModelForCausalLM.from_config(
+            hcfg, attn_implementation="sdpa").to(torch.bfloat16).eval()
     return m
 
 

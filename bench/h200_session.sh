@@ -56,6 +56,16 @@ step kernel_tests "${T_KT:-120}" python3 -m pytest -v -m gpu -p no:cacheprovider
   -k "batch_of_64 or table_configs or graph_capture or opcheck or prepared or sm90 or repeated"
 step fused_tests "${T_FT:-60}" python3 -m pytest -v -p no:cacheprovider \
   tests/kernels/test_logits_summary.py tests/kernels/test_extend_attention.py -k "fused or summary or lowest or dispatch"
+# model families (#41): GPU tests of the new paths, bound and e2e rows, start-up sizing
+FAMILIES=${FAMILIES:-qwen3-8b,qwen3-0.6b,gemma-3-1b,gemma-3-270m}
+step family_tests "${T_FAM:-240}" python3 -m pytest -v -rP -m gpu -p no:cacheprovider \
+  tests/model/test_model_gpu.py tests/engine/test_full_graph_gpu.py tests/kernels/test_kernels_gpu.py \
+  -k "window or qk_norm or gelu or gemma or qwen3 or triton_matches or opcheck"
+step family_bound "${T_FB:-420}" env OUT="$R" python3 bench/bound.py --models "$FAMILIES" --breakdown
+step family_e2e "${T_FE:-420}" env OUT="$R" python3 bench/e2e.py --models "$FAMILIES" \
+  --variants ours-graph,hf-sdpa
+step sizing "${T_SZ:-300}" env OUT="$R" MODEL_PATH="$PWD/.gpu_assets/smollm2" python3 bench/sizing.py
+step attention_window "${T_AW:-200}" env OUT="$R" python3 bench/attention.py --cases window
 step attention "${T_ATTN:-420}" env OUT="$R" python3 bench/attention.py ${ATTN_ARGS:-}
 step sm90_launch "${T_SL:-300}" env OUT="$R" python3 bench/sm90_launch.py
 step capture "${T_CAP:-95}" env OUT="$R" python3 -m bench.capture --budget-s "${CAP_BUDGET:-50}"

@@ -49,7 +49,7 @@ from service.engine.core import EngineCore  # noqa: E402
 from service.engine.interface import SamplingParams  # noqa: E402
 from service.engine.prompt import Prompt, shared_query  # noqa: E402
 from service.engine.scheduler import Scheduler  # noqa: E402
-from service.model.config import preset  # noqa: E402
+from service.model.families import preset  # noqa: E402
 from service.model.loader import LoadedModel, random_model  # noqa: E402
 
 MODELS = ["smollm2-135m", "llama-3.2-1b"]

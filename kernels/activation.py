@@ -1,5 +1,6 @@
-"""SiLU-and-mul, Llama's gated MLP activation, fp32 with one rounding: x (T, 2F) -> out (T, F).
-x's last dim contiguous; `norm_rows`: the post-attention norm folded into gate/up (see rope.py)."""
+"""Gated MLP activation act(gate) * up, fp32 with one rounding: x (T, 2F) -> out (T, F); act is
+SiLU (Llama, Qwen) or GeLU-tanh (Gemma's gelu_pytorch_tanh). x's last dim contiguous;
+`norm_rows`: the post-attention norm folded into gate/up (see rope.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import torch
 from kernels._triton import tl, triton
 from kernels.rms_norm import row_rstd, row_rstd_ref
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 @triton.jit
-def _silu_and_mul_kernel(
+def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
     norm_ptr,
@@ -20,6 +23,7 @@ def _silu_and_mul_kernel(
     stride_nt,
     norm_cols,
     eps,
+    ACTIVATION: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_NORM: tl.constexpr,
@@ -38,15 +42,22 @@ def _silu_and_mul_kernel(
         if NORM:
             gate *= scale
             up *= scale
-        y = gate / (1.0 + tl.exp(-gate)) * up
+        if ACTIVATION == "gelu_tanh":
+            # 0.5 * (1 + tanh(z)) = sigmoid(2z): no tanh needed, and exp's overflow gives 0 or 1
+            z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) * ...
+            act = gate / (1.0 + tl.exp(-2.0 * z))
+        else:
+            act = gate / (1.0 + tl.exp(-gate))
+        y = act * up
         tl.store(out_ptr + row * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(
-    x: torch.Tensor, out: torch.Tensor | None = None, *, norm_rows: torch.Tensor | None = None,
-    eps: float = 0.0, block_f: int = 1024, wrap=None
+def act_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, activation: str = "silu",
+    norm_rows: torch.Tensor | None = None, eps: float = 0.0, block_f: int = 1024, wrap=None
 ) -> torch.Tensor:
-    """silu(s * x[:, :F]) * s * x[:, F:], s = 1/rms(norm_rows[t]) with `norm_rows`, else 1."""
+    """act(s * x[:, :F]) * s * x[:, F:], s = 1/rms(norm_rows[t]) with `norm_rows`, else 1."""
+    assert activation in ACTIVATIONS, f"activation {activation!r} must be one of {ACTIVATIONS}"
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be (T, 2F), got {tuple(x.shape)}"
     assert x.stride(1) == 1, "x: last dim must be contiguous"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {x.dtype}"
@@ -64,25 +75,32 @@ def silu_and_mul(
     block = min(block_f, triton.next_power_of_2(n))
     # with norm_rows every program re-reads its norm row: at many rows, fewer wider programs
     iters = min(4, triton.cdiv(n, block)) if norm and T >= 1024 else 1
-    kernel = wrap(_silu_and_mul_kernel) if wrap is not None else _silu_and_mul_kernel
+    kernel = wrap(_act_and_mul_kernel) if wrap is not None else _act_and_mul_kernel
     kernel[(T, triton.cdiv(n, block * iters))](
         x, out, norm_rows if norm else x, n, x.stride(0), out.stride(0),
-        norm_rows.stride(0) if norm else 0, norm_rows.shape[1] if norm else 1, eps, NORM=norm,
+        norm_rows.stride(0) if norm else 0, norm_rows.shape[1] if norm else 1, eps,
+        ACTIVATION=activation, NORM=norm,
         BLOCK_F=block, BLOCK_NORM=triton.next_power_of_2(norm_rows.shape[1]) if norm else 1,
         COL_ITERS=iters, num_warps=4 if block >= 512 else 1,
     )
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None, *,
-                     norm_rows: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+def act_and_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None, *,
+                    activation: str = "silu", norm_rows: torch.Tensor | None = None,
+                    eps: float = 0.0) -> torch.Tensor:
     """PyTorch reference, fp32 math, one rounding."""
+    assert activation in ACTIVATIONS, f"activation {activation!r} must be one of {ACTIVATIONS}"
     n = x.shape[-1] // 2
     g, u = x[:, :n].float(), x[:, n:].float()
     if norm_rows is not None:
         s = row_rstd_ref(norm_rows, eps)
         g, u = g * s, u * s
-    y = (torch.nn.functional.silu(g) * u).to(x.dtype)
+    if activation == "gelu_tanh":
+        a = torch.nn.functional.gelu(g, approximate="tanh")
+    else:
+        a = torch.nn.functional.silu(g)
+    y = (a * u).to(x.dtype)
     if out is None:
         return y
     out.copy_(y)

@@ -1,4 +1,5 @@
-"""Extend attention: new tokens attend causally to themselves and their cached prefix (paged KV).
+"""Extend attention: new tokens attend causally to themselves and their cached prefix (paged KV),
+or with `window` W only to the last W positions (sliding-window attention, itself included).
 q (T, H, D), k/v (T, KVH, D), strided rows, packed heads; rows past cu_seqlens_q[-1] stay untouched.
 The grid is sized by max_q_len: programs past a short sequence exit at once (no host sync)."""
 
@@ -38,26 +39,29 @@ SM90_MIN_TOKENS_PREPARED = 1024  # prepare_extend_attention binds once for every
 
 def extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                      batch: VarlenBatch, sm_scale: float | None = None, out: Tensor | None = None,
-                     *, config: AttnConfig | None = None, wrap: Callable | None = None) -> Tensor:
+                     *, config: AttnConfig | None = None, wrap: Callable | None = None,
+                     window: int | None = None) -> Tensor:
     """o (T, H, D); a repeated call (kernels.launch.call_key) reuses its bound launch."""
     if out is None:
         out = q.new_empty(q.shape)
+    window = _window(window, batch)
     key = None
     if wrap is None and q.is_cuda:
         key = call_key("extend_attention", (q, k, v, batch.cu_seqlens_q, batch.prefix_lens,
                                             batch.page_table), (k_cache, v_cache, out),
                        batch.page_size, batch.max_q_len, batch.max_prefix_len, batch.num_tokens,
-                       sm_scale, config)
+                       sm_scale, config, window)
     launch = CACHE.get(key)
     if launch is not None:
         launch(k_cache, v_cache, out)
         return out
-    if hopper := _sm90_config(q, k, v, out, batch, config, wrap, SM90_MIN_TOKENS):
+    if hopper := _sm90_config(q, k, v, out, batch, config, wrap, SM90_MIN_TOKENS, window):
         bound = sm90.prepare_sm90(q, k, v, batch, sm_scale, out, hopper)
         launch = None if bound is None else (lambda kc, vc, o, _b=bound: _b(o))
     else:
         bound = launch = _bind(q, k, v, k_cache, v_cache, batch, sm_scale, out, config=config,
-                               wrap=wrap, store_slots=None, cache_table=None, swap=(3, 4, 5))
+                               wrap=wrap, store_slots=None, cache_table=None, swap=(3, 4, 5),
+                               window=window)
     if launch is not None:
         launch(k_cache, v_cache, out)
         if key is not None and bound.detach():
@@ -70,14 +74,16 @@ def prepare_extend_attention(
     sm_scale: float | None = None, out: Tensor | None = None, *,
     config: AttnConfig | None = None, wrap: Callable | None = None,
     store_slots: Tensor | None = None, cache_table: tuple[Tensor, Tensor] | None = None,
+    window: int | None = None,
 ) -> tuple[Launch | None, Tensor]:
     """Check and bind once: (launch, o); `launch(k_cache, v_cache)` runs one layer (None: nothing
     to compute), with `store_slots` (T,) also storing k, v there. `cache_table` (a, b): int64 (1,)
     cache addresses read at launch; `launch` takes a layer's; k_cache/v_cache fix the layout."""
     if out is None:
         out = q.new_empty(q.shape)
+    window = _window(window, batch)
     hopper = cache_table is None and _sm90_config(q, k, v, out, batch, config, wrap,
-                                                  SM90_MIN_TOKENS_PREPARED)
+                                                  SM90_MIN_TOKENS_PREPARED, window)
     if hopper:
         fused = store_slots is not None and q.shape[2] in sm90.FUSED_STORE_HEAD_DIMS
         attend = sm90.prepare_sm90(q, k, v, batch, sm_scale, out, hopper,
@@ -98,7 +104,8 @@ def prepare_extend_attention(
             attend(out)
         return launch_sm90, out
     kernel = _bind(q, k, v, k_cache, v_cache, batch, sm_scale, out, config=config, wrap=wrap,
-                   store_slots=store_slots, cache_table=cache_table, swap=(3, 4))
+                   store_slots=store_slots, cache_table=cache_table, swap=(3, 4),
+                   window=window)
     if kernel is None:
         return None, out
     shape = k_cache.shape if cache_table is None else (1,)
@@ -110,12 +117,25 @@ def prepare_extend_attention(
     return launch, out
 
 
-def _sm90_config(q, k, v, out, batch: VarlenBatch, config, wrap,
-                 min_tokens: int) -> sm90.Sm90Config | None:
-    """The Hopper kernel's launch shape where it is the faster: prefix-free, >= min_tokens known
-    rows, sequences and head_dim pick_sm90 takes; else None (the Triton kernel)."""
+def _window(window: int | None, batch: VarlenBatch) -> int | None:
+    """The window, or None where it is causal attention: none given (None or 0), or one that
+    covers every key of the batch (max_prefix_len + max_q_len bound the positions)."""
+    assert window is None or window >= 0, f"window {window} must be >= 0 (0: none)"
+    if not window or (batch.max_prefix_len is not None
+                      and window >= batch.max_prefix_len + batch.max_q_len):
+        return None
+    return window
+
+
+def _sm90_config(q, k, v, out, batch: VarlenBatch, config, wrap, min_tokens: int,
+                 window: int | None) -> sm90.Sm90Config | None:
+    """The Hopper kernel's launch shape where it is the faster: prefix-free, causal, >=
+    min_tokens known rows, sequences and head_dim pick_sm90 takes; else None (the Triton
+    kernel)."""
     n = batch.num_tokens
     if batch.max_prefix_len != 0 or n is None or config is not None or wrap is not None:
+        return None
+    if window is not None:  # the warp-specialized kernel has no window mask
         return None
     if n < min_tokens or n > q.shape[0] or batch.max_q_len <= 0:
         return None
@@ -123,8 +143,9 @@ def _sm90_config(q, k, v, out, batch: VarlenBatch, config, wrap,
 
 
 def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, config, wrap,
-          store_slots, cache_table, swap) -> Relauncher | None:
-    """The Triton kernel's checked launch; `swap`: k_cache 3, v_cache 4, out 5 (None: no work)."""
+          store_slots, cache_table, swap, window: int | None) -> Relauncher | None:
+    """The Triton kernel's checked launch; `swap`: k_cache 3, v_cache 4, out 5 (None: no work);
+    `window` None or 0: causal."""
     T, H, D = q.shape
     KVH = k.shape[1]
     cu, prefix_lens, page_table = batch.cu_seqlens_q, batch.prefix_lens, batch.page_table
@@ -176,7 +197,7 @@ def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, confi
     args = (
         q, k, v, *(cache_table or (k_cache, v_cache)), out, k_desc, v_desc,
         cu, prefix_lens, page_table, store_slots if store_slots is not None else cu,
-        scale * _LOG2E, H // KVH,
+        scale * _LOG2E, H // KVH, window or 0,
         q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
         out.stride(0), page_table.stride(0),
     )  # fmt: skip
@@ -187,7 +208,7 @@ def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, confi
         HEADS_FIRST=cfg.heads_first, PREFETCH_PAGES=cfg.prefetch_pages,
         STORE_KV=store_slots is not None,
         HAS_PREFIX=batch.max_prefix_len is None or batch.max_prefix_len > 0,
-        CACHE_TABLE=cache_table is not None, PACK=pack, ROWS=rows,
+        CACHE_TABLE=cache_table is not None, PACK=pack, ROWS=rows, SLIDING=bool(window),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return Relauncher(_extend_attention_kernel, grid, args, meta, swap, wrap)
@@ -202,8 +223,10 @@ def _tma_descriptor(x: Tensor, block_n: int, head_dim: int):
 
 def extend_attention_ref(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                          batch: VarlenBatch, sm_scale: float | None = None,
-                         out: Tensor | None = None, *, chunk_size: int = 4096) -> Tensor:
-    """PyTorch reference (and CPU serving path): per sequence, SDPA with a prefix + causal mask."""
+                         out: Tensor | None = None, *, chunk_size: int = 4096,
+                         window: int | None = None) -> Tensor:
+    """PyTorch reference (and CPU serving path): per sequence, SDPA with a prefix + causal mask,
+    and with `window` W (None or 0: none) keys after query_pos - W only."""
     T, H, D = q.shape
     group = H // k.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
@@ -223,8 +246,11 @@ def extend_attention_ref(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cac
             c1 = min(e - s, c0 + chunk_size)
             n_keys = P + c1
             qc = q[s + c0 : s + c1].transpose(0, 1)
-            key_pos = torch.arange(n_keys, device=q.device)
-            mask = key_pos[None, :] <= P + torch.arange(c0, c1, device=q.device)[:, None]
+            key_pos = torch.arange(n_keys, device=q.device)[None, :]
+            query_pos = P + torch.arange(c0, c1, device=q.device)[:, None]
+            mask = key_pos <= query_pos
+            if window:
+                mask &= key_pos > query_pos - window
             oc = F.scaled_dot_product_attention(qc, kb[:, :n_keys], vb[:, :n_keys],
                                                 attn_mask=mask, scale=scale,
                                                 enable_gqa=group > 1)

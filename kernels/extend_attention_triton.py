@@ -1,7 +1,10 @@
 """Extend attention's Triton kernel: FlashAttention-2 forward, exp2 online softmax, fp32 acc.
 A program owns BLOCK_M query rows of one sequence and head; D <= 256, padded to a power of 2.
 With PACK > 1 a program owns ROWS positions of all PACK query heads of one KV head instead
-(row r: position r // PACK, head r % PACK), so each K/V block is loaded once for the group."""
+(row r: position r // PACK, head r % PACK), so each K/V block is loaded once for the group.
+SLIDING (local attention, Gemma-style): a query at absolute position i sees keys j in
+(i - window, i]; each loop starts at the block of its q-block's first key in the window, and
+only blocks reaching below the highest row's window (the edge) pay for the window mask."""
 
 from __future__ import annotations
 
@@ -29,8 +32,19 @@ def _softmax_step(
     return acc, l_i, m_new
 
 
-# stride_ptb changes per batch: specialized, it would compile new variants while serving
-@triton.jit(do_not_specialize=["stride_ptb"])
+@triton.jit
+def _in_window(qk, q_pos, start_n, offs_n, edge, window, SLIDING: tl.constexpr):
+    """Scores of keys at or before q_pos - window to -inf (positions on one axis); a block
+    from `edge` on lies in every row's window and skips the mask (a uniform branch)."""
+    if SLIDING:
+        if start_n < edge:
+            k_pos = start_n + offs_n
+            qk = tl.where(k_pos[None, :] > q_pos[:, None] - window, qk, float("-inf"))
+    return qk
+
+
+# stride_ptb changes per batch, window per layer: specialized, they would compile new variants
+@triton.jit(do_not_specialize=["stride_ptb", "window"])
 def _extend_attention_kernel(
     q_ptr,
     k_ptr,
@@ -46,6 +60,7 @@ def _extend_attention_kernel(
     slot_ptr,
     qk_scale,
     kv_group,
+    window,
     stride_qt,
     stride_kt,
     stride_vt,
@@ -68,6 +83,7 @@ def _extend_attention_kernel(
     CACHE_TABLE: tl.constexpr,
     PACK: tl.constexpr,
     ROWS: tl.constexpr,  # positions a program owns: BLOCK_M, or packed BLOCK_M // PACK or less
+    SLIDING: tl.constexpr,
 ):
     # h: the query head, or with PACK > 1 the KV head
     if HEADS_FIRST:  # grid (H, n_m, B): all heads of the longest q-blocks launch first
@@ -120,12 +136,23 @@ def _extend_attention_kernel(
     # (a) the cached prefix (compiled out for prefix-free batches: its addresses cost registers)
     kc_base = k_cache_ptr + kvh * HEAD_DIM  # also the fused KV store's target
     vc_base = v_cache_ptr + kvh * HEAD_DIM
+    diag_start = m_block * ROWS
+    # SLIDING: the highest row's first key in its window; every row sees every key from here on
+    new_edge = diag_start + ROWS - window  # a new-token position (prefix_len + it: absolute)
     if HAS_PREFIX:
         pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
         prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
+        q_pos = prefix_len + offs_m  # absolute positions: the prefix counts first
+        prefix_start = 0
+        tail_start = prefix_full
+        if SLIDING:  # from the block of the lowest row's first key in its window
+            prefix_start = tl.maximum(prefix_len + diag_start - window + 1, 0)
+            prefix_start = (prefix_start // BLOCK_N) * BLOCK_N
+            tail_start = tl.maximum(prefix_start, prefix_full)  # past prefix_len: no tail
         if PREFETCH_PAGES:  # page ids one block ahead: K/V addresses never wait on the table
-            pages = tl.load(pt_row + offs_n // PAGE_SIZE, mask=offs_n < prefix_len, other=0)
-        for start_n in tl.range(0, prefix_full, BLOCK_N):
+            first = prefix_start + offs_n
+            pages = tl.load(pt_row + first // PAGE_SIZE, mask=first < prefix_len, other=0)
+        for start_n in tl.range(prefix_start, prefix_full, BLOCK_N):
             if PREFETCH_PAGES:
                 slot = pages.to(tl.int64) * PAGE_SIZE + (start_n + offs_n) % PAGE_SIZE
                 nxt = start_n + BLOCK_N + offs_n
@@ -139,9 +166,10 @@ def _extend_attention_kernel(
             v = _load(vc_base + slot[:, None] * stride_vcs + offs_d[None, :], d_mask[None, :],
                       PAD_D)
             qk = dot(q, k, None, DOT_PRECISION, DOT_UPCAST)
+            qk = _in_window(qk, q_pos, start_n, offs_n, prefix_len + new_edge, window, SLIDING)
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION,
                                           DOT_UPCAST)
-        if prefix_full < prefix_len:
+        if tail_start < prefix_len:
             pos = prefix_full + offs_n
             valid = pos < prefix_len
             if not PREFETCH_PAGES:
@@ -159,14 +187,19 @@ def _extend_attention_kernel(
             )
             qk = dot(q, k, None, DOT_PRECISION, DOT_UPCAST)
             qk = tl.where(valid[None, :], qk, float("-inf"))
+            qk = _in_window(qk, q_pos, prefix_full, offs_n, prefix_len + new_edge, window,
+                            SLIDING)
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION,
                                           DOT_UPCAST)
 
-    # (b) new tokens strictly below the diagonal block: every key is visible and in bounds
+    # (b) new tokens strictly below the diagonal block: every key is in bounds and, without a
+    # window, visible
     k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * HEAD_DIM
     v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * HEAD_DIM
-    diag_start = m_block * ROWS
-    for start_n in tl.range(0, diag_start, BLOCK_N):
+    new_start = 0
+    if SLIDING:
+        new_start = (tl.maximum(diag_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for start_n in tl.range(new_start, diag_start, BLOCK_N):
         if USE_TMA:
             k = k_desc.load([q_start + start_n, kvh * HEAD_DIM]).T
             v = v_desc.load([q_start + start_n, kvh * HEAD_DIM])
@@ -175,9 +208,11 @@ def _extend_attention_kernel(
             k = _load(k_base + rows[None, :] * stride_kt + offs_d[:, None], d_mask[:, None], PAD_D)
             v = _load(v_base + rows[:, None] * stride_vt + offs_d[None, :], d_mask[None, :], PAD_D)
         qk = dot(q, k, None, DOT_PRECISION, DOT_UPCAST)
+        qk = _in_window(qk, offs_m, start_n, offs_n, new_edge, window, SLIDING)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
-    # (c) the diagonal: causal mask; keys past q_len load as 0 so padded rows stay finite
+    # (c) the diagonal: causal mask; keys past q_len load as 0 so padded rows stay finite (with
+    # a window, padded rows past the last block can see no key: 0 / 0, never stored)
     diag_end = tl.minimum(diag_start + ROWS, q_len)
     for start_n in range(diag_start, diag_end, BLOCK_N):
         rows = start_n + offs_n
@@ -194,6 +229,7 @@ def _extend_attention_kernel(
         )
         qk = dot(q, k, None, DOT_PRECISION, DOT_UPCAST)
         qk = tl.where(offs_m[:, None] >= rows[None, :], qk, float("-inf"))
+        qk = _in_window(qk, offs_m, start_n, offs_n, new_edge, window, SLIDING)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     acc = acc / l_i[:, None]

@@ -9,8 +9,9 @@ from collections.abc import Callable
 import torch
 from torch.library import triton_op, wrap_triton
 
-from kernels import activation, kv_store, logits_summary, rope
+from kernels import activation as act
 from kernels import extend_attention as attn
+from kernels import kv_store, logits_summary, rope
 from kernels import rms_norm as norm
 from kernels._triton import HAS_TRITON
 from kernels.varlen import VarlenBatch
@@ -61,15 +62,16 @@ def _fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float)
 @_kernel_op("apply_rope", {"q", "k", "v"}, rope.apply_rope_ref, rope.apply_rope)
 def _apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                 v: Tensor | None = None, norm_rows: Tensor | None = None, eps: float = 0.0,
-                bias: Tensor | None = None) -> None:
+                bias: Tensor | None = None, q_norm: Tensor | None = None,
+                k_norm: Tensor | None = None, qk_eps: float = 0.0) -> None:
     rope.apply_rope(q, k, positions, cos_sin_cache, v=v, norm_rows=norm_rows, eps=eps, bias=bias,
-                    wrap=wrap_triton)
+                    q_norm=q_norm, k_norm=k_norm, qk_eps=qk_eps, wrap=wrap_triton)
 
 
-@_kernel_op("silu_and_mul", {"out"}, activation.silu_and_mul_ref, activation.silu_and_mul)
-def _silu_and_mul(x: Tensor, out: Tensor, norm_rows: Tensor | None = None,
-                  eps: float = 0.0) -> None:
-    activation.silu_and_mul(x, out, norm_rows=norm_rows, eps=eps, wrap=wrap_triton)
+@_kernel_op("act_and_mul", {"out"}, act.act_and_mul_ref, act.act_and_mul)
+def _act_and_mul(x: Tensor, out: Tensor, activation: str = "silu",
+                 norm_rows: Tensor | None = None, eps: float = 0.0) -> None:
+    act.act_and_mul(x, out, activation=activation, norm_rows=norm_rows, eps=eps, wrap=wrap_triton)
 
 
 @_kernel_op("store_kv", {"k_cache", "v_cache"}, kv_store.store_kv_ref, kv_store.store_kv)
@@ -78,12 +80,14 @@ def _store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
     kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping, wrap=wrap_triton)
 
 
-def _attention_op_args(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out) -> tuple:
-    """The op's arguments: torch.library takes tensors and scalars, not a VarlenBatch."""
+def _attention_op_args(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out,
+                       window: int | None = None) -> tuple:
+    """The op's arguments: torch.library takes tensors and scalars, not a VarlenBatch (nor
+    None for an int: window 0 is none)."""
     prefix = -1 if batch.max_prefix_len is None else batch.max_prefix_len
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
     return (q, k, v, k_cache, v_cache, batch.cu_seqlens_q, batch.prefix_lens, batch.page_table,
-            batch.page_size, batch.max_q_len, scale, out, prefix)
+            batch.page_size, batch.max_q_len, scale, out, prefix, window or 0)
 
 
 @_kernel_op("extend_attention", {"out"}, attn.extend_attention_ref, attn.extend_attention,
@@ -91,10 +95,11 @@ def _attention_op_args(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, 
 def _extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                       cu_seqlens_q: Tensor, prefix_lens: Tensor, page_table: Tensor,
                       page_size: int, max_q_len: int, sm_scale: float, out: Tensor,
-                      max_prefix_len: int = -1) -> None:
+                      max_prefix_len: int = -1, window: int = 0) -> None:
     batch = VarlenBatch(cu_seqlens_q, prefix_lens, page_table, page_size, max_q_len,
                         None if max_prefix_len < 0 else max_prefix_len)
-    attn.extend_attention(q, k, v, k_cache, v_cache, batch, sm_scale, out, wrap=wrap_triton)
+    attn.extend_attention(q, k, v, k_cache, v_cache, batch, sm_scale, out, wrap=wrap_triton,
+                          window=window)
 
 
 @_kernel_op("logits_summary", {"out", "logits_out"}, logits_summary.logits_summary_ref,
@@ -120,19 +125,22 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 
 def apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                use_triton: bool | None = None, *, v: Tensor | None = None,
-               norm_rows: Tensor | None = None, eps: float = 0.0,
-               bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               norm_rows: Tensor | None = None, eps: float = 0.0, bias: Tensor | None = None,
+               q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+               qk_eps: float = 0.0) -> tuple[Tensor, Tensor]:
     """Neox RoPE on q (T, H, D) and k (T, KVH, D) in place (kernels/rope.py); returns (q, k)."""
     _apply_rope(use_triton, q, k, positions, cos_sin_cache, v=v, norm_rows=norm_rows, eps=eps,
-                bias=bias)
+                bias=bias, q_norm=q_norm, k_norm=k_norm, qk_eps=qk_eps)
     return q, k
 
 
-def silu_and_mul(x: Tensor, out: Tensor | None = None, use_triton: bool | None = None, *,
-                 norm_rows: Tensor | None = None, eps: float = 0.0) -> Tensor:
-    """x (T, 2F) -> silu(x[:, :F]) * x[:, F:] (T, F) (kernels/activation.py)."""
+def act_and_mul(x: Tensor, out: Tensor | None = None, use_triton: bool | None = None, *,
+                activation: str = "silu", norm_rows: Tensor | None = None,
+                eps: float = 0.0) -> Tensor:
+    """x (T, 2F) -> act(x[:, :F]) * x[:, F:] (T, F), `activation` "silu" or "gelu_tanh"
+    (kernels/activation.py)."""
     out = x.new_empty((x.shape[0], x.shape[1] // 2)) if out is None else out
-    _silu_and_mul(use_triton, x, out, norm_rows=norm_rows, eps=eps)
+    _act_and_mul(use_triton, x, out, activation=activation, norm_rows=norm_rows, eps=eps)
     return out
 
 
@@ -144,10 +152,11 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 def extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                      batch: VarlenBatch, sm_scale: float | None = None, out: Tensor | None = None,
-                     use_triton: bool | None = None) -> Tensor:
-    """o (T, H, D): prefix + causal attention over a varlen batch (kernels/extend_attention.py)."""
+                     use_triton: bool | None = None, *, window: int | None = None) -> Tensor:
+    """o (T, H, D): prefix + causal attention over a varlen batch, with `window` W each query
+    sees its last W positions only (kernels/extend_attention.py)."""
     out = q.new_empty(q.shape) if out is None else out
-    _extend_attention(use_triton, q, k, v, k_cache, v_cache, batch, sm_scale, out)
+    _extend_attention(use_triton, q, k, v, k_cache, v_cache, batch, sm_scale, out, window=window)
     return out
 
 

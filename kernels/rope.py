@@ -1,5 +1,7 @@
 """Rotary position embedding (GPT-NeoX halves, as HF Llama) in place, one program per token.
-`norm_rows`: rms_norm(x) @ W^T = rstd(x) * (x @ (W*g)^T), so q, k, v get rstd, then bias, here."""
+`norm_rows`: rms_norm(x) @ W^T = rstd(x) * (x @ (W*g)^T), so q, k, v get rstd, then bias, here.
+`q_norm`/`k_norm` (Qwen3, Gemma 3): each q and k head RMS-normalised over its D elements before
+the rotation, in fp32 with the rotation (one rounding); the (D,) weight is shared by all heads."""
 
 from __future__ import annotations
 
@@ -20,13 +22,16 @@ def _rotate_heads(
     sin,
     scale,
     b_ptr,
+    w_ptr,
+    qk_eps,
     HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
     ROTATE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One token's heads in place: x <- rotate(x * scale + bias), or without rotate."""
+    """One token's heads in place: x <- rotate(head_norm(x * scale + bias)), each optional."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
@@ -40,6 +45,13 @@ def _rotate_heads(
         b_ptrs = b_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
         x1 += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
         x2 += tl.load(b_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # masked lanes hold 0, so the sums cover exactly the head's 2 * HALF elements
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # (BLOCK_H,)
+        r = (1.0 / tl.sqrt(ss / (2 * HALF) + qk_eps))[:, None]
+        w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = x1 * r * w1
+        x2 = x2 * r * w2
     if ROTATE:
         tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
         tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
@@ -57,6 +69,8 @@ def _apply_rope_kernel(
     cos_sin_ptr,
     norm_ptr,
     bias_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     n_q_heads,
     n_k_heads,
     stride_qt,
@@ -69,8 +83,10 @@ def _apply_rope_kernel(
     stride_nt,
     norm_cols,
     eps,
+    qk_eps,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -89,12 +105,14 @@ def _apply_rope_kernel(
     q_size = n_q_heads * 2 * HALF
     k_size = n_k_heads * 2 * HALF
     _rotate_heads(q_ptr + t * stride_qt, n_q_heads, stride_qh, cos, sin, scale, bias_ptr,
-                  HAS_BIAS, True, HALF, BLOCK_HQ, BLOCK_HALF)
+                  q_norm_ptr, qk_eps, HAS_BIAS, QK_NORM, True, HALF, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr + t * stride_kt, n_k_heads, stride_kh, cos, sin, scale,
-                  bias_ptr + q_size, HAS_BIAS, True, HALF, BLOCK_HK, BLOCK_HALF)
-    if NORM:
+                  bias_ptr + q_size, k_norm_ptr, qk_eps, HAS_BIAS, QK_NORM, True, HALF, BLOCK_HK,
+                  BLOCK_HALF)
+    if NORM:  # v: scale and bias only, never QK-normed
         _rotate_heads(v_ptr + t * stride_vt, n_k_heads, stride_vh, cos, sin, scale,
-                      bias_ptr + q_size + k_size, HAS_BIAS, False, HALF, BLOCK_HK, BLOCK_HALF)
+                      bias_ptr + q_size + k_size, q_norm_ptr, qk_eps, HAS_BIAS, False, False, HALF,
+                      BLOCK_HK, BLOCK_HALF)
 
 
 def apply_rope(
@@ -107,9 +125,13 @@ def apply_rope(
     norm_rows: torch.Tensor | None = None,
     eps: float = 0.0,
     bias: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    qk_eps: float = 0.0,
     wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q and k in place; with `norm_rows` q, k, v first scaled and given `bias`."""
+    """Rotates q and k in place; with `norm_rows` q, k, v first scaled and given `bias`; with
+    `q_norm`, `k_norm` ((D,) weights) each q and k head then RMS-normalised."""
     T, H, D = q.shape
     assert k.dim() == 3 and k.shape[0] == T and k.shape[2] == D, f"k shape {tuple(k.shape)}"
     assert D % 2 == 0, f"head_dim {D} must be even"
@@ -128,6 +150,11 @@ def apply_rope(
     if bias is not None:
         width = (H + 2 * kvh) * D
         assert bias.shape == (width,) and bias.is_contiguous(), f"bias shape {tuple(bias.shape)}"
+    qk_norm = q_norm is not None
+    assert qk_norm == (k_norm is not None), "q_norm and k_norm come together"
+    if qk_norm:
+        for w in (q_norm, k_norm):
+            assert w.shape == (D,) and w.is_contiguous(), f"QK-norm weight shape {tuple(w.shape)}"
     if T == 0:
         return q, k
     kernel = wrap(_apply_rope_kernel) if wrap is not None else _apply_rope_kernel
@@ -139,6 +166,8 @@ def apply_rope(
         cos_sin_cache,
         norm_rows if norm else q,
         bias if bias is not None else q,
+        q_norm if qk_norm else q,
+        k_norm if qk_norm else q,
         H,
         kvh,
         q.stride(0),
@@ -151,8 +180,10 @@ def apply_rope(
         norm_rows.stride(0) if norm else 0,
         norm_rows.shape[1] if norm else 1,
         eps,
+        qk_eps,
         NORM=norm,
         HAS_BIAS=bias is not None,
+        QK_NORM=qk_norm,
         HALF=D // 2,
         BLOCK_HQ=triton.next_power_of_2(H),
         BLOCK_HK=triton.next_power_of_2(kvh),
@@ -166,21 +197,26 @@ def apply_rope(
 def apply_rope_ref(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     *, v: torch.Tensor | None = None, norm_rows: torch.Tensor | None = None, eps: float = 0.0,
-    bias: torch.Tensor | None = None
+    bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None, qk_eps: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, like `apply_rope`; math in fp32."""
     half = q.shape[-1] // 2
     cs = cos_sin_cache[positions.long()]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
-    heads = [(q, True), (k, True)] if norm_rows is None else [(q, True), (k, True), (v, False)]
+    heads = [(q, q_norm, True), (k, k_norm, True)]
+    if norm_rows is not None:
+        heads.append((v, None, False))
     scale = 1.0 if norm_rows is None else row_rstd_ref(norm_rows, eps)[:, :, None]  # (T, 1, 1)
     at = 0
-    for x, rotate in heads:
+    for x, w, rotate in heads:
         y = x.float() * scale
         if bias is not None:
             n = x.shape[1] * x.shape[2]
             y = y + bias[at:at + n].float().view(1, x.shape[1], x.shape[2])
             at += n
+        if w is not None:
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + qk_eps) * w.float()
         if rotate:
             x1, x2 = y[..., :half], y[..., half:]
             y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -207,13 +243,20 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 def rope_cos_sin_cache(
     head_dim: int, max_pos: int, theta: float, scaling: dict | None = None
 ) -> torch.Tensor:
-    """(max_pos, D) fp32 cos | sin on the CPU; `scaling`: HF rope_scaling (default or llama3)."""
+    """(max_pos, D) fp32 cos | sin on the CPU; `scaling`: HF rope_scaling (default, llama3,
+    linear), or llama.cpp's per-pair divisors ({"rope_type": "freq_factors", "factors": [...]})."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
     rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type == "linear":  # positions divided by the factor
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        assert factors.shape == inv_freq.shape, f"{factors.shape[0]} RoPE factors for {head_dim}"
+        inv_freq = inv_freq / factors
     elif rope_type not in (None, "default"):
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only 'llama3')")
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()

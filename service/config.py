@@ -38,10 +38,12 @@ class Settings(BaseSettings):
     model_path: str | None = Field(None, **_shown("embedded SmolLM2-135M-Instruct (Q4_1 GGUF)"),
                                    description=(
         "A Hugging Face checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`; "
-        "Llama 2/3, Qwen2/2.5, SmolLM/SmolLM2) or a llama-architecture `.gguf` file."))
+        "Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3, Gemma 3) or a `.gguf` file of llama.cpp's "
+        "`llama` or `qwen3` architecture."))
     model_preset: str | None = Field(None, description=(
-        "Random weights of a real shape (`smollm2-135m`, `qwen2.5-0.5b`, `llama-3.2-1b`, "
-        "`llama-3.1-8b`) with MODEL_PATH's tokenizer: for benchmarks."))
+        "Random weights of a real shape (`smollm2-135m`, `llama-3.2-1b`, `llama-3.1-8b`, "
+        "`qwen2.5-0.5b`, `qwen3-0.6b`, `qwen3-8b`, `gemma-3-270m`, `gemma-3-1b`) with "
+        "MODEL_PATH's tokenizer: for benchmarks."))
     served_model_name: str | None = Field(None, **_shown("the file or directory name"),
                                           description=(
         "The model id in responses, `/v1/models`, logs and the metrics' `model_name` label."))
@@ -166,7 +168,7 @@ class Settings(BaseSettings):
     def _preset(cls, v: str | None) -> str | None:
         if v is None or not v.strip():
             return None
-        from service.model.config import PRESETS
+        from service.model.families import PRESETS
 
         if v not in PRESETS:
             raise ValueError(f"unknown preset; known: {', '.join(PRESETS)}")

@@ -38,6 +38,11 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "graph_buckets": ("prefill_graph_buckets", "Number of captured CUDA-graph token buckets."),
     "kv_tokens": ("prefill_kv_capacity_tokens", "Tokens the KV pool can hold."),
     "kv_bytes": ("prefill_kv_memory_bytes", "Device memory of the KV pool."),
+    "kv_bytes_per_token": ("prefill_kv_bytes_per_token",
+                           "KV pool bytes one token takes: K and V of every layer."),
+    "kv_windowed_bytes_per_token": ("prefill_kv_windowed_bytes_per_token",
+                                    "The sliding-window layers' share of "
+                                    "prefill_kv_bytes_per_token (0 without such layers)."),
     "kv_used_tokens": ("prefill_kv_used_tokens",
                        "KV tokens (whole pages) held by in-flight requests."),
     "kv_usage_ratio": ("prefill_kv_usage_ratio", "prefill_kv_used_tokens / capacity."),

@@ -74,6 +74,8 @@ class AppState:
             snap.update(kv_tokens=cap, kv_used_tokens=used,
                         kv_usage_ratio=used / cap if cap else 0.0,
                         page_size=info.page_size, kv_pages=pages_for(cap, info.page_size),
+                        kv_bytes_per_token=info.kv_bytes_per_token,
+                        kv_windowed_bytes_per_token=info.windowed_kv_bytes_per_token,
                         graph_buckets=len(mem.buckets), mem_fraction_static=mem.mem_fraction_static)
         return snap
 
@@ -111,6 +113,8 @@ class AppState:
                       "full_max_seqs": cfg.cuda_graph_full_max_seqs},
             "memory": dataclasses.asdict(mem),
             "kv": {"page_size": info.page_size, "capacity_tokens": info.kv_capacity_tokens,
+                   "bytes_per_token": info.kv_bytes_per_token,
+                   "windowed_layers_bytes_per_token": info.windowed_kv_bytes_per_token,
                    "used_tokens": stats.kv_used_tokens,
                    "prefix_cached_tokens": stats.kv_cached_tokens},
             "prefix_cache": cfg.prefix_cache,

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from service.model.config import ModelConfig
+from service.model.decoder import Activations
 from service.model.layers import MLP_ROW_ALIGN
-from service.model.llama import Activations
 
 MLP_MIN_ROWS = 4096
 

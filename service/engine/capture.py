@@ -24,7 +24,7 @@ from service.engine.memory import (
 from service.engine.runners import Runner, eager_peak_bytes, on_stream
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.runners.full import FullGraphRunner
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +73,13 @@ def _settle(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def capture_and_size(model: LlamaModel, graphs: Graphs | None, fallback: Runner,
+def capture_and_size(model: DecoderModel, graphs: Graphs | None, fallback: Runner,
                      stream: torch.cuda.Stream | None, reader: MemoryReader, free_before: int,
                      weights_bytes: int, fraction: float, page_size: int,
                      max_prefill_tokens: int) -> tuple[MemoryReport, KVPlan]:
     """Measure the eager peak, capture, plan the KV pool; InsufficientMemory if it gets nothing."""
     cfg, dtype = model.cfg, model.dtype
-    device = model.embed_tokens.weight.device
+    device = model.device
     with on_stream(stream):
         scratch = KVPool(cfg, page_size, page_size, dtype, device)
     batch = capture_chunks(max_prefill_tokens, model.max_positions, page_size)

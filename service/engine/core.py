@@ -196,11 +196,16 @@ class EngineCore:
         log.info("warm-up forwards: %.2f s", time.perf_counter() - t0)
 
     def info(self) -> EngineInfo:
-        return EngineInfo(self.model_path, self.model_cfg.arch, self.model_cfg.vocab_size,
-                          self.model.max_positions, self.pool.page_size,
-                          self.pool.capacity_tokens, self.memory,
+        c, size = self.model_cfg, self.dtype.itemsize
+        per_token = c.kv_bytes_per_token(size)
+        return EngineInfo(self.model_path, c.arch, c.vocab_size, self.model.max_positions,
+                          self.pool.page_size, self.pool.capacity_tokens, self.memory,
                           device_name=(torch.cuda.get_device_name(self.device)
-                                       if self.device.type == "cuda" else "cpu"))
+                                       if self.device.type == "cuda" else "cpu"),
+                          kv_bytes_per_token=per_token,
+                          windowed_kv_bytes_per_token=(
+                              per_token * c.num_windowed_layers // c.num_layers
+                              if c.num_layers else 0))
 
     @property
     def max_batch_tokens(self) -> int:

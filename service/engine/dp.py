@@ -16,8 +16,8 @@ from service.engine.buffers import StaticBuffers
 from service.engine.graph import SegmentBackend, tensor_bytes
 from service.engine.runners import Chunks, on_stream
 from service.engine.runners.breakable import BreakableRunner
-from service.model.layers import MLP, swiglu
-from service.model.llama import Activations, LlamaModel
+from service.model.decoder import Activations, DecoderModel
+from service.model.layers import MLP, gated_mlp
 from service.model.meta import KVCache
 
 
@@ -137,7 +137,7 @@ class DPMLP(nn.Module):
         self.gate_up_proj.weight = nn.Parameter(shard_gu, requires_grad=False)
         self.down_proj.weight = nn.Parameter(shard_down, requires_grad=False)
         self.group, self.step = group, step
-        self.use_triton = mlp.use_triton
+        self.use_triton, self.activation = mlp.use_triton, mlp.activation
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
                 scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +151,8 @@ class DPMLP(nn.Module):
             self.group.all_gather_rows(gathered, x)
         mask_padding(gathered, dp)
         partial = out if w == 1 else dp.partial
-        y = swiglu(gathered, self.gate_up_proj, self.down_proj, self.use_triton, partial, scratch)
+        y = gated_mlp(gathered, self.gate_up_proj, self.down_proj, self.use_triton, partial,
+                      scratch, activation=self.activation)
         if w == 1:
             return y
         res = out if out is not None else x.new_empty(n, x.shape[1])
@@ -159,10 +160,8 @@ class DPMLP(nn.Module):
         return res
 
 
-def shard_mlp(model: LlamaModel, group: DPGroup, step: DPStep) -> None:
-    for layer in model.layers:
-        if not isinstance(layer.mlp, DPMLP):
-            layer.mlp = DPMLP(layer.mlp, group, step)
+def shard_mlp(model: DecoderModel, group: DPGroup, step: DPStep) -> None:
+    model.map_mlps(lambda mlp: mlp if isinstance(mlp, DPMLP) else DPMLP(mlp, group, step))
 
 
 class DPRunner(BreakableRunner):
@@ -170,7 +169,7 @@ class DPRunner(BreakableRunner):
 
     name = "dp"
 
-    def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend | None,
+    def __init__(self, model: DecoderModel, buckets: Buckets, backend: SegmentBackend | None,
                  group: DPGroup, stream: torch.cuda.Stream | None = None):
         super().__init__(model, buckets if backend is not None else Buckets(()),
                          backend or SegmentBackend(), stream)
@@ -180,7 +179,7 @@ class DPRunner(BreakableRunner):
 
     def allocate(self) -> StaticBuffers:
         w, m = self.group.world, self.buckets.largest
-        width = self.model.layers[0].mlp.gate_up_proj.weight.shape[0]
+        width = self.model.mlp_width // w  # each rank's shard of gate|up
         if w > 1:
             self.gathered = torch.zeros(w * m, self.cfg.hidden_size, dtype=self.dtype,
                                         device=self.device)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from service.model.llama import Eager
+from service.model.decoder import Eager
 
 Step = tuple[str, Any]  # ("graph", CUDAGraph) | ("dense", fn) | ("attention", layer)
 Attend = Callable[[int], None]

@@ -154,6 +154,8 @@ class EngineInfo:
     memory: MemoryReport
     load_seconds: float = 0.0
     device_name: str = "cpu"
+    kv_bytes_per_token: int = 0  # K and V of every layer, windowed layers included
+    windowed_kv_bytes_per_token: int = 0  # the windowed (sliding-attention) layers' share
 
 
 @dataclass(frozen=True)

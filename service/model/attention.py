@@ -12,17 +12,21 @@ import torch
 from kernels import extend_attention as attn_kernel
 from kernels import ops
 from kernels.varlen import VarlenBatch
+from service.model.config import ModelConfig
 from service.model.meta import ForwardMeta, KVAddresses
 
 BACKENDS = ("triton", "torch")
 
 
 class AttentionBackend:
-    def __init__(self, kind: str, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, kind: str, cfg: ModelConfig):
         assert kind in BACKENDS, f"attention backend {kind!r} not in {BACKENDS}"
         self.use_triton = kind == "triton"
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
+                                                            cfg.head_dim)
+        self.scale = cfg.softmax_scale
+        # per layer: keys a query sees (None: causal over the whole prompt)
+        self.windows = [cfg.window(i) or None for i in range(cfg.num_layers)]
         self.hopper = True  # False withholds the row count: never the Hopper kernel
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +55,8 @@ class AttentionBackend:
         else:
             out = out.view(t, h, d)
         ops.extend_attention(q, k, v, kv.k[layer], kv.v[layer], self._varlen(meta),
-                             sm_scale=self.scale, out=out, use_triton=self.use_triton)
+                             sm_scale=self.scale, out=out, use_triton=self.use_triton,
+                             window=self.windows[layer])
         return out.view(t, h * d)
 
     def plan(self, qkv: torch.Tensor, meta: ForwardMeta, out: torch.Tensor) -> BreakPlan:
@@ -66,15 +71,16 @@ class AttentionBackend:
                 kc, vc = kv.k[layer], kv.v[layer]
                 ops.store_kv(k, v, kc, vc, slots, use_triton=False)
                 ops.extend_attention(q, k, v, kc, vc, meta.varlen, sm_scale=self.scale, out=out,
-                                     use_triton=False)
+                                     use_triton=False, window=self.windows[layer])
             return reference
 
-        attend, _ = attn_kernel.prepare_extend_attention(
-            q, k, v, kv.k[0], kv.v[0], self._varlen(meta), self.scale, out, store_slots=slots)
+        attends = self._per_layer(lambda window: attn_kernel.prepare_extend_attention(
+            q, k, v, kv.k[0], kv.v[0], self._varlen(meta), self.scale, out, store_slots=slots,
+            window=window)[0])
         caches = list(zip(kv.k, kv.v))
 
         def triton(layer: int) -> None:
-            attend(*caches[layer])
+            attends[layer](*caches[layer])
         return triton
 
     def plan_static(self, qkv: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -93,20 +99,26 @@ class AttentionBackend:
                 ops.store_kv(k, v, kc, vc, slot_mapping, use_triton=False)
                 batch = VarlenBatch(cu_seqlens_q, prefix_lens, page_table, live.page_size, n)
                 ops.extend_attention(q, k, v, kc, vc, batch, sm_scale=self.scale, out=out,
-                                     use_triton=False)
+                                     use_triton=False, window=self.windows[layer])
             return reference
 
         batch = VarlenBatch(cu_seqlens_q, prefix_lens, page_table, kv.page_size, n)
-        attend, _ = attn_kernel.prepare_extend_attention(
+        attends = self._per_layer(lambda window: attn_kernel.prepare_extend_attention(
             q, k, v, kv.k[0], kv.v[0], batch, self.scale, out, store_slots=slot_mapping,
-            cache_table=addrs.rows[0])
+            cache_table=addrs.rows[0], window=window)[0])
         rows = addrs.rows
 
         def triton(layer: int) -> None:
-            attend(*rows[layer])
+            attends[layer](*rows[layer])
         return triton
 
+    def _per_layer(self, prepare: Callable[[int | None], Launch]) -> list[Launch]:
+        """Each layer's launch, bound once per distinct window."""
+        bound = {w: prepare(w) for w in set(self.windows)}
+        return [bound[w] for w in self.windows]
 
+
+Launch = Callable[[torch.Tensor, torch.Tensor], None]
 # A prepared break: call it with a layer index (attention with the KV store fused; on Hopper at
 # head_dim 128 the store is a launch of its own).
 BreakPlan = Callable[[int], None]

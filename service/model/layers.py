@@ -1,4 +1,4 @@
-"""The decoder's building blocks: RMSNorm, projections into given buffers, and the SwiGLU MLP.
+"""The decoder's building blocks: RMSNorm, projections into given buffers, and the gated MLP.
 
 Optional `out`/`scratch` buffers let a captured graph step allocate nothing."""
 
@@ -53,44 +53,49 @@ def mlp_row_chunks(rows: int, cap: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
 
 
-def swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
-           out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-           norm_eps: float | None = None) -> torch.Tensor:
-    """down(silu(gate) * up), chunked to `scratch`'s rows; `norm_eps`: x += mlp(norm(x))."""
+def gated_mlp(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
+              out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+              norm_eps: float | None = None, activation: str = "silu") -> torch.Tensor:
+    """down(act(gate) * up), chunked to `scratch`'s rows; `norm_eps`: x += mlp(norm(x))."""
     rows = x.shape[0]
     assert norm_eps is None or out is x, "a folded-norm MLP adds into the residual it reads"
     if scratch is None or scratch.shape[0] >= rows:
-        return _swiglu(x, gate_up, down, use_triton, out,
-                       None if scratch is None else scratch[:rows], norm_eps)
+        return _gated_mlp(x, gate_up, down, use_triton, out,
+                          None if scratch is None else scratch[:rows], norm_eps, activation)
     if out is None:
         out = x.new_empty(rows, down.out_features)
     # NOTE: x and out may be one buffer: each chunk reads its rows before writing them
     for lo, hi in mlp_row_chunks(rows, scratch.shape[0]):
-        _swiglu(x[lo:hi], gate_up, down, use_triton, out[lo:hi], scratch[: hi - lo], norm_eps)
+        _gated_mlp(x[lo:hi], gate_up, down, use_triton, out[lo:hi], scratch[: hi - lo], norm_eps,
+                   activation)
     return out
 
 
-def _swiglu(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
-            out: torch.Tensor | None, scratch: torch.Tensor | None,
-            norm_eps: float | None = None) -> torch.Tensor:
+def _gated_mlp(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, use_triton: bool,
+               out: torch.Tensor | None, scratch: torch.Tensor | None,
+               norm_eps: float | None, activation: str) -> torch.Tensor:
     gu = linear(x, gate_up, scratch)  # (T, 2F)
     f = gu.shape[1] // 2
     folded = norm_eps is not None
     # NOTE: in place into gu's gate half: each element is read by the program that writes it
-    act = ops.silu_and_mul(gu, out=gu[:, :f], use_triton=use_triton,  # (T, F), strided rows
-                           norm_rows=x if folded else None, eps=norm_eps or 0.0)
+    act = ops.act_and_mul(gu, out=gu[:, :f], use_triton=use_triton,  # (T, F), strided rows
+                          activation=activation, norm_rows=x if folded else None,
+                          eps=norm_eps or 0.0)
     return linear(act, down, out, accumulate=folded)  # (T, hidden)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    """The gated MLP: SwiGLU (Llama, Qwen) or GeGLU with GeLU-tanh (Gemma)."""
+
+    def __init__(self, hidden: int, inter: int, activation: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.activation = activation
         self.use_triton = False
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
                 scratch: torch.Tensor | None = None,
                 norm_eps: float | None = None) -> torch.Tensor:
-        return swiglu(x, self.gate_up_proj, self.down_proj, self.use_triton, out, scratch,
-                      norm_eps)
+        return gated_mlp(x, self.gate_up_proj, self.down_proj, self.use_triton, out, scratch,
+                         norm_eps, self.activation)

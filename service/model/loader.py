@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from service.model.config import ModelConfig, model_name, preset
+from service.model.config import ModelConfig, model_name
+from service.model.decoder import DecoderModel
 from service.model.errors import ModelLoadError
+from service.model.families import preset
 from service.model.files import (
     default_model_path,
     gguf_metadata,
@@ -19,8 +21,7 @@ from service.model.files import (
     read_hf_config,
     tokenizer_of,
 )
-from service.model.llama import LlamaModel
-from service.model.loader_gguf import config_from_gguf, gguf_tensors
+from service.model.loader_gguf import ROPE_FREQS, config_from_gguf, gguf_tensors, rope_freq_scaling
 from service.model.loader_hf import read_safetensors
 from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf
 from service.model.weights import load_hf_state
@@ -33,7 +34,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: TextTokenizer
     cfg: ModelConfig
     path: Path
@@ -65,17 +66,17 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         cfg = config_from_gguf(meta, str(path))
         tensors, tied = gguf_tensors(reader, cfg, str(path))
         cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)
+        if ROPE_FREQS in tensors:
+            cfg = dataclasses.replace(cfg, rope_scaling=rope_freq_scaling(tensors[ROPE_FREQS]))
         tokenizer = tokenizer_from_gguf(meta, str(path))
         where = str(path)
     else:
         raise ModelLoadError(f"{path}: no such model file or directory")
 
     with torch.device("meta"):
-        model = LlamaModel(cfg, attn_backend=attn_backend)
+        model = DecoderModel(cfg, attn_backend=attn_backend)
     model = model.to_empty(device=device).to(dtype)
-    # to_empty() leaves buffers uninitialised: rebuild the RoPE table on the device (fp32).
-    fresh = LlamaModel.rope_table(cfg, model.max_positions)
-    model.cos_sin = fresh.to(device)
+    model.build_rope_tables(device)  # fp32; to_empty() left the buffers uninitialised
     load_hf_state(model, tensors, where)
     model.eval()
     model.set_kernels(device.type == "cuda")
@@ -87,13 +88,13 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
 
 def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, attn_backend: str | None = None,
-                 seed: int = 0) -> LlamaModel:
+                 seed: int = 0) -> DecoderModel:
     """A model of `cfg`'s shape with random weights (benchmarks and GPU tests)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaModel(cfg, attn_backend or ("triton" if device.type == "cuda" else "torch"))
+        model = DecoderModel(cfg, attn_backend or ("triton" if device.type == "cuda" else "torch"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -101,7 +102,7 @@ def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
             else:
                 p.normal_(0.0, 0.02)
     model = model.to(dtype).eval()
-    model.cos_sin = LlamaModel.rope_table(cfg, model.max_positions).to(device)
+    model.build_rope_tables(device)
     model.set_kernels(device.type == "cuda")
     return model
 

@@ -1,4 +1,5 @@
-"""Load a llama-architecture GGUF: dequantize with `gguf`, undo llama.cpp's Q/K row permutation."""
+"""Load a GGUF of a family that declares llama.cpp's name for it (llama, qwen3): dequantize with
+`gguf`, undo the Q/K row permutation llama.cpp applies to its llama architecture."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.model.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig
-from service.model.errors import ModelLoadError, UnsupportedArchitecture
+from service.model.config import ModelConfig
+from service.model.errors import ModelLoadError
+from service.model.families import family, family_for_gguf
 
 _LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_norm.weight": "input_layernorm.weight",
@@ -17,18 +19,25 @@ _LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 
 
+ROPE_FREQS = "rope_freqs.weight"  # in gguf_tensors' output: per-pair RoPE frequency divisors
+
+
+def rope_freq_scaling(factors: torch.Tensor) -> dict[str, Any]:
+    """The rope_scaling of llama.cpp's rope_freqs: each pair's frequency divided by its factor."""
+    return {"rope_type": "freq_factors", "factors": [float(f) for f in factors.flatten()]}
+
+
 def config_from_gguf(meta: dict[str, Any], where: str) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{where}: unsupported GGUF architecture {arch!r}; supported: "
-            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    fam = family_for_gguf(arch, where)
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
@@ -40,15 +49,21 @@ def config_from_gguf(meta: dict[str, Any], where: str) -> ModelConfig:
     n_vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     if not n_vocab:
         raise ModelLoadError(f"{where}: cannot tell the vocabulary size")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ModelLoadError(f"{where}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is "
+                             "not supported in a GGUF")
+    head_dim = meta.get(f"{arch}.attention.key_length",
+                        meta.get(f"{arch}.rope.dimension_count", hidden // heads))
     return ModelConfig(
-        arch="llama",
+        arch=fam.name,
         vocab_size=int(n_vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        head_dim=int(head_dim),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
@@ -56,6 +71,7 @@ def config_from_gguf(meta: dict[str, Any], where: str) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         name=str(meta.get("general.name", "gguf-model")),
+        **fam.traits,
     )
 
 
@@ -70,6 +86,7 @@ def gguf_tensors(reader, cfg: ModelConfig, where: str) -> tuple[dict[str, torch.
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    permuted = family(cfg.arch).gguf_permuted_qk
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
@@ -90,13 +107,16 @@ def gguf_tensors(reader, cfg: ModelConfig, where: str) -> tuple[dict[str, torch.
             out["model.norm.weight"] = w
         elif name == "output.weight":
             out["lm_head.weight"] = w
+        elif name == "rope_freqs.weight" and not bool((w == 1).all()):
+            # llama.cpp keeps Llama 3.1+'s llama3 RoPE scaling only as these per-pair divisors
+            out[ROPE_FREQS] = w
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             if rest not in _LAYER_NAMES:
-                continue  # e.g. rope_freqs: recomputed from metadata
-            if rest == "attn_q.weight":
+                continue
+            if permuted and rest == "attn_q.weight":
                 w = unpermute_qk(w, cfg.num_heads)
-            elif rest == "attn_k.weight":
+            elif permuted and rest == "attn_k.weight":
                 w = unpermute_qk(w, cfg.num_kv_heads)
             out[f"model.layers.{idx}.{_LAYER_NAMES[rest]}"] = w
     return out, "lm_head.weight" not in out

@@ -29,6 +29,7 @@ _GGUF_PRE = {  # tokenizer.ggml.pre -> (isolate single digits first, split regex
     "qwen2": (False, _QWEN2_SPLIT),
 }
 _CONTROL = 3  # llama.cpp token type for control tokens such as <|im_start|>
+_USER_DEFINED = 4  # added tokens that are not special (Qwen3's <think>): matched whole too
 PIECE_CHARS = 1 << 15  # characters per piece when counting the tokens of a long text
 PIECE_SLACK = 8  # tokens a piece's count may exceed its share of the whole text's
 
@@ -184,6 +185,10 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> TextTokenizer:
                for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
     if control:
         tok.add_special_tokens(control)
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED and set(t) <= alphabet]
+    if user:
+        tok.add_tokens(user)
     return TextTokenizer(tok, meta.get("tokenizer.ggml.bos_token_id"),
                          meta.get("tokenizer.ggml.eos_token_id"),
                          add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),

@@ -246,28 +246,35 @@ def tokenizer() -> Any:
     return model_tokenizer(None)
 
 
+def start_app(engine_factory: Callable[[Any], Any], tokenizer: Any, **env: Any) -> LiveApp:
+    """An app with env overrides whose engine is `engine_factory(EngineConfig)`, started (not
+    yet ready): the app in this process, its engine's server loop on a thread, ZeroMQ between
+    them. The caller closes it."""
+    eng_cfg, srv_cfg = configs(**env)
+    metrics = Metrics(srv_cfg.served_model_name)
+    engine = EngineThread(lambda on_queue, poll: Scheduler(
+        lambda: engine_factory(eng_cfg), max_queue=eng_cfg.max_queue_requests,
+        max_batch_prompts=eng_cfg.max_batch_prompts, prefix_cache=eng_cfg.prefix_cache,
+        observer=metrics, on_queue=on_queue, poll=poll))
+    alive_r, alive_w = multiprocessing.Pipe(duplex=False)
+    client = EngineClient(engine.addrs, 0, max_queue=eng_cfg.max_queue_requests,
+                          alive=alive_r,
+                          key_page_size=eng_cfg.page_size if eng_cfg.prefix_cache else 0,
+                          request_timeout_s=srv_cfg.request_timeout_s)
+    app = create_app(eng_cfg, srv_cfg, client, tokenizer, metrics=metrics)
+    return LiveApp(app, engine, alive_w)
+
+
 @pytest.fixture
 def make_app(core: Any, tokenizer: Any) -> Iterator[Callable[..., LiveApp]]:
-    """make_app(env overrides..., engine_factory=None, max_batch_tokens=None) -> ready LiveApp:
-    the app in this process, its engine's server loop on a thread, ZeroMQ between them."""
+    """make_app(env overrides..., engine_factory=None, max_batch_tokens=None) -> ready LiveApp
+    (start_app's) on the session core, or on `engine_factory(EngineConfig)`."""
     apps: list[LiveApp] = []
 
     def make(engine_factory: Callable | None = None, max_batch_tokens: int | None = None,
              wait: bool = True, **env: Any) -> LiveApp:
-        eng_cfg, srv_cfg = configs(**env)
         factory = engine_factory or (lambda cfg: TestEngine(core, max_batch_tokens))
-        metrics = Metrics(srv_cfg.served_model_name)
-        engine = EngineThread(lambda on_queue, poll: Scheduler(
-            lambda: factory(eng_cfg), max_queue=eng_cfg.max_queue_requests,
-            max_batch_prompts=eng_cfg.max_batch_prompts, prefix_cache=eng_cfg.prefix_cache,
-            observer=metrics, on_queue=on_queue, poll=poll))
-        alive_r, alive_w = multiprocessing.Pipe(duplex=False)
-        client = EngineClient(engine.addrs, 0, max_queue=eng_cfg.max_queue_requests,
-                              alive=alive_r,
-                              key_page_size=eng_cfg.page_size if eng_cfg.prefix_cache else 0,
-                              request_timeout_s=srv_cfg.request_timeout_s)
-        app = create_app(eng_cfg, srv_cfg, client, tokenizer, metrics=metrics)
-        live = LiveApp(app, engine, alive_w)
+        live = start_app(factory, tokenizer, **env)
         apps.append(live)
         if wait:
             live.wait_ready()

@@ -25,6 +25,8 @@ def test_ready_app_endpoints(api) -> None:
                 "mem_fraction_static", "free_before_bytes", "reserve_bytes"):
         assert key in mem, key
     assert mem["weights_bytes"] > 0 and mem["kv_tokens"] == info["kv"]["capacity_tokens"] > 0
+    assert info["kv"]["bytes_per_token"] * mem["kv_tokens"] <= mem["kv_bytes"]
+    assert info["kv"]["windowed_layers_bytes_per_token"] == 0
     assert info["load_seconds"] >= 0
     models = api.get("/v1/models").json()
     assert models["object"] == "list"

@@ -14,6 +14,7 @@ GAUGES = [
     "prefill_kv_used_tokens", "prefill_kv_usage_ratio", "prefill_weights_memory_bytes",
     "prefill_mem_fraction_static", "prefill_queue_requests", "prefill_ready",
     "prefill_graph_buckets", "prefill_queue_limit_requests", "prefill_running_requests",
+    "prefill_kv_bytes_per_token", "prefill_kv_windowed_bytes_per_token",
 ]
 COUNTERS = {  # family name (without _total) -> label values that must exist from the start
     "prefill_requests": {"status": {"ok", "bad_request", "rejected", "error", "cancelled",
@@ -50,6 +51,9 @@ def test_every_metric_exists_before_traffic(api) -> None:
     assert value["prefill_queue_limit_requests"] == 256 and value["prefill_running_requests"] == 0
     assert value["prefill_ready"] == 1.0 and value["prefill_kv_capacity_tokens"] > 0
     assert value["prefill_kv_memory_bytes"] > 0 and value["prefill_weights_memory_bytes"] > 0
+    # SmolLM2-135M in fp32: 30 layers x K and V x 3 KV heads x 64 x 4 bytes, no windowed layers
+    assert value["prefill_kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert value["prefill_kv_windowed_bytes_per_token"] == 0
     assert value["prefill_mem_fraction_static"] == 0.85
     assert value["prefill_kv_used_tokens"] == 0 and value["prefill_queue_requests"] == 0
 

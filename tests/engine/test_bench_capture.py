@@ -93,7 +93,7 @@ def test_profile_gaps_are_split_by_what_borders_them():
     # (start us, end us, name), out of order as the profiler may list them
     events = [(10.0, 20.0, "Memset (Device)"), (0.0, 8.0, "_rms_norm_kernel"),
               (23.0, 40.0, "nvjet_sm90_tst_256x128_coopA"), (45.0, 60.0, "_attention_kernel"),
-              (61.0, 70.0, "nvjet_sm90_tst_320x128_coopB"), (70.5, 71.0, "_silu_and_mul_kernel"),
+              (61.0, 70.0, "nvjet_sm90_tst_320x128_coopB"), (70.5, 71.0, "_act_and_mul_kernel"),
               (70.8, 72.0, "_apply_rope_kernel")]  # overlapping: no negative gap
     gaps = gap_split(events)
     assert gaps["memset"] == dict(ms=(2.0 + 3.0) / 1e3, count=2)

@@ -8,7 +8,7 @@ import torch
 
 from service.engine import buffers
 from service.engine.buffers import MLP_MIN_ROWS, StaticBuffers, mlp_chunk_rows
-from service.model.config import preset
+from service.model.families import preset
 from tests.engine.helpers import tiny_cfg
 
 ROWS = 8192  # the largest default bucket

@@ -21,7 +21,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.runners import on_stream
 from service.engine.runners.full import BLAS, blas_library
 from service.engine.sampling import unpack
-from service.model.config import preset
+from service.model.families import preset
 from service.model.loader import random_model
 from tests.engine.helpers import Runners, chunk, prompts
 from tests.engine.test_graph_gpu import relerr, varlen_batch
@@ -33,11 +33,13 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module", params=[("smollm2-135m", False), ("llama-3.2-1b", False),
-                                        ("smollm2-135m", True), ("qwen2.5-0.5b", True)],
-                ids=["smollm2", "llama-1b", "smollm2-folded", "qwen-folded"])
+                                        ("smollm2-135m", True), ("qwen2.5-0.5b", True),
+                                        ("qwen3-0.6b", True), ("gemma-3-1b", False)],
+                ids=["smollm2", "llama-1b", "smollm2-folded", "qwen-folded", "qwen3-folded",
+                     "gemma3"])
 def runner(request):
     name, fold = request.param
-    cfg = preset(name, num_layers=3)
+    cfg = preset(name, num_layers=6 if name.startswith("gemma") else 3)  # gemma: 5 local, 1 global
     model = random_model(cfg, "cuda", BF16, seed=0)
     unfolded = copy.deepcopy(model) if fold else None
     if fold:

@@ -23,7 +23,7 @@ from service.engine.graph import CudaGraphBackend
 from service.engine.kv_pool import KVPool
 from service.engine.runners import on_stream
 from service.engine.runners.breakable import BreakableRunner
-from service.model.config import preset
+from service.model.families import preset
 from service.model.loader import random_model
 from tests.engine.helpers import chunk, engine_cfg, free_port, prompts
 

@@ -169,7 +169,7 @@ def test_shared_query_on_the_gpu_equals_single_prompts() -> None:
     item's label logprobs and first token equal those of its prompt prefilled alone."""
     import threading
 
-    from service.model.config import preset
+    from service.model.families import preset
     from service.model.loader import LoadedModel, random_model
 
     cfg = preset("smollm2-135m", num_layers=4)

@@ -276,3 +276,80 @@ def test_hopper_kernel_loops_over_many_short_tiles():
     assert pick(8, 9, 512, 132, head_dim=64) is None  # 8 x 9 x 10 = 720 blocks
     assert pick(64, 32, 128, 512, head_dim=64) is None  # more SMs: too few blocks each
     assert pick(1, 32, 1024, 132, head_dim=64) is None  # and never takes one CTA a tile
+
+
+# ---- sliding-window (local) attention ----------------------------------------------------------
+
+# sequences: no prefix; a prefix longer than most windows, new rows starting inside it; a long
+# prefix and a short chunk (q-blocks whose window lies wholly in the prefix's tail or past it)
+WINDOW_BATCH = ([70, 33, 5, 40], [0, 50, 90, 7])
+
+
+def _windowed_naive(batch, qlens, plens, window):
+    """(n_valid, H, D) float64: dense softmax with the mask written out; query at absolute
+    position i sees keys j with i - window < j <= i."""
+    q, k, v, kc, vc = (x.cpu().double() for x in (batch.q, batch.k, batch.v, batch.k_cache,
+                                                   batch.v_cache))
+    group, ps, pt = q.shape[1] // k.shape[1], batch.page_size, batch.page_table.cpu()
+    out, start = [], 0
+    for b, (n, P) in enumerate(zip(qlens, plens)):
+        pos = torch.arange(P)
+        slots = pt[b, pos // ps].long() * ps + pos % ps
+        keys = torch.cat([kc[slots], k[start : start + n]]).repeat_interleave(group, 1)
+        vals = torch.cat([vc[slots], v[start : start + n]]).repeat_interleave(group, 1)
+        i, j = P + torch.arange(n)[:, None], torch.arange(P + n)[None, :]
+        seen = (j <= i) & (j > i - window)  # (n, P + n)
+        s = torch.einsum("qhd,khd->hqk", q[start : start + n], keys) / math.sqrt(q.shape[2])
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        out.append(torch.einsum("hqk,khd->qhd", p, vals))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("window", [1, 3, 15, 16, 17, 40, 1000])
+@pytest.mark.parametrize("config", [INTERPRETER_CONFIG, PACKED], ids=["unpacked", "packed"])
+def test_sliding_window(window, config, device, close, attn_batch):
+    """Windows of one key, under and over a block (15: a q-block's highest row's first key
+    starts a block), and longer than every sequence (then equal to causal attention); fp32, so
+    one misplaced key in one row fails the tolerance."""
+    if device == "cuda" and config is INTERPRETER_CONFIG:
+        config = None
+    qlens, plens = WINDOW_BATCH
+    batch = attn_batch(qlens, plens, 16, 8, 2, 64, F32, device, pad=3)
+    n = batch.n_valid
+    naive = _windowed_naive(batch, qlens, plens, window)
+    ref = extend_attention_ref(*batch.args(), window=window)
+    close(ref[:n].cpu(), naive, F32, "ref")
+    facts = [{}]  # the position bound unknown: the windowed kernel whatever the window
+    if window >= max(p + q for p, q in zip(plens, qlens)):
+        close(ref[:n], extend_attention_ref(*batch.args())[:n], F32, "a window over everything")
+        facts.append(dict(max_prefix_len=max(plens)))  # known: the causal kernel
+    for fact in facts:
+        out = batch.poisoned_out()
+        extend_attention(*batch.args(**fact), out=out, config=config, window=window)
+        close(out[:n].cpu().double(), naive, F32, f"o {fact}")
+        assert torch.isnan(out[n:]).all(), "padded tail rows must be left untouched"
+
+
+@pytest.mark.parametrize("H,KVH,D,config", [(4, 1, 256, INTERPRETER_CONFIG), (8, 2, 64, PACKED)],
+                         ids=["d256", "packed"])
+def test_sliding_window_fused_kv_store(H, KVH, D, config, device, close, attn_batch):
+    """The fused store writes every new row once, also those no q-block's window reaches."""
+    qlens, plens, window = [40, 9], [33, 20], 3
+    batch = attn_batch(qlens, plens, 16, H, KVH, D, F32, device)
+    n, pt = batch.n_valid, batch.page_table.cpu()
+    slots = torch.tensor([int(pt[b, pos // 16]) * 16 + pos % 16
+                          for b, (q, p) in enumerate(zip(qlens, plens))
+                          for pos in range(p, p + q)], device=device)
+    want_k, want_v = batch.k_cache.clone(), batch.v_cache.clone()
+    store_kv_ref(batch.k, batch.v, want_k, want_v, slots)
+    naive = _windowed_naive(batch, qlens, plens, window)
+    out = batch.poisoned_out()
+    q, k, v, kc, vc, vb = batch.args()
+    launch, _ = prepare_extend_attention(q, k, v, kc, vc, vb, out=out, window=window,
+                                         config=config if device == "cpu" else None,
+                                         store_slots=slots)
+    launch(kc, vc)
+    assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0)), "k cache"
+    assert torch.equal(vc.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v cache"
+    close(out[:n].cpu().double(), naive, F32, "o")

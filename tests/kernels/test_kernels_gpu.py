@@ -87,6 +87,40 @@ def test_table_configs(key, tier, config, close, attn_batch):
     _check(batch, close, config=config)
 
 
+@pytest.mark.parametrize("prefix", [0, 1000])
+def test_sliding_window_d256(prefix, close, relerr, attn_batch):
+    """Gemma 3's local layers: 4 query heads on 1 KV head, head_dim 256, a 512-key window over
+    3,000 new tokens, alone and after a 1,000-token paged prefix."""
+    batch = attn_batch([3000], [prefix], 16, 4, 1, 256, BF16, "cuda")
+    out = batch.poisoned_out()
+    o = extend_attention(*batch.args(max_prefix_len=prefix, num_tokens=3000), out=out,
+                         window=512)
+    ref = extend_attention_ref(*batch.args(torch.float32), window=512)
+    close(o.float(), ref, BF16, "o")
+    assert relerr(o, extend_attention_ref(*batch.args(torch.float32))) > 0.1, "no window applied"
+
+
+def test_sliding_window_packed_gqa_d128(close, attn_batch):
+    """Query heads packed per KV head (the small tier's config) and the service's pick, the
+    latter through ops and the registered op (window an int there, 0 for none)."""
+    from kernels.extend_attention_config import PACKED
+
+    batch = attn_batch([64, 700, 5], [1500, 600, 0], 16, 32, 8, 128, BF16, "cuda", pad=2)
+    n, W = batch.n_valid, 512
+    ref = extend_attention_ref(*batch.args(torch.float32), window=W)
+    for how in ("packed", "ops", "op"):
+        out = batch.poisoned_out()
+        if how == "packed":
+            extend_attention(*batch.args(), out=out, config=PACKED, window=W)
+        elif how == "ops":
+            ops.extend_attention(*batch.args(), out=out, window=W)
+        else:
+            torch.ops.prefill.extend_attention(*ops._attention_op_args(*batch.args(), None, out,
+                                                                       window=W))
+        close(out[:n].float(), ref[:n], BF16, how)
+        assert torch.isnan(out[n:]).all(), f"{how}: padded rows must stay untouched"
+
+
 def test_custom_ops_opcheck():
     x, w = torch.randn(5, 96, device="cuda", dtype=BF16), torch.randn(96, device="cuda", dtype=BF16)
     torch.library.opcheck(torch.ops.prefill.rms_norm.default, (x, w, 1e-6, torch.empty_like(x)))
@@ -94,7 +128,7 @@ def test_custom_ops_opcheck():
         torch.ops.prefill.fused_add_rms_norm.default, (x.clone(), x.clone(), w, 1e-6)
     )
     torch.library.opcheck(
-        torch.ops.prefill.silu_and_mul.default, (x, torch.empty(5, 48, device="cuda", dtype=BF16))
+        torch.ops.prefill.act_and_mul.default, (x, torch.empty(5, 48, device="cuda", dtype=BF16))
     )
     summary = torch.empty(5, 2 + 2 * 20, dtype=torch.float64, device="cuda")
     torch.library.opcheck(torch.ops.prefill.logits_summary.default,
@@ -116,7 +150,7 @@ def test_graph_capture_of_dense_ops_and_attention(close, attn_batch):
 
     def step():
         ops.rms_norm(x, w, 1e-6, out=out_norm)
-        ops.silu_and_mul(x, out=out_act)
+        ops.act_and_mul(x, out=out_act)
         ops.extend_attention(*args, out=out_attn)
         ops.summarize_logits(logits, 20, out=summary)
 
@@ -133,7 +167,7 @@ def test_graph_capture_of_dense_ops_and_attention(close, attn_batch):
     graph.replay()
     torch.cuda.synchronize()
     close(out_norm.float(), ops.rms_norm(x.float(), w.float(), 1e-6, use_triton=False), BF16, "n")
-    close(out_act.float(), ops.silu_and_mul(x.float(), use_triton=False), BF16, "act")
+    close(out_act.float(), ops.act_and_mul(x.float(), use_triton=False), BF16, "act")
     ref = extend_attention_ref(*batch.args(torch.float32))
     close(out_attn.float(), ref, BF16, "attention")
     ref = ops.summarize_logits(logits, 20, use_triton=False)
@@ -371,3 +405,82 @@ def test_sm90_is_what_prefix_free_batches_take(close, attn_batch, monkeypatch):
     attend(kc, vc)
     close(out.float(), ref, BF16, "prepared break")
     assert torch.equal(kc[slots], b.k) and torch.equal(vc[slots], b.v), "the KV store"
+
+
+# ---- QK-norm in apply_rope, GeLU-tanh in act_and_mul, a 262,144-id vocabulary ------------------
+
+@pytest.mark.parametrize("T,H,KVH,D", [(4096, 32, 8, 128), (3000, 8, 4, 256), (777, 16, 8, 256)])
+@pytest.mark.parametrize("folded", [False, True])
+def test_apply_rope_qk_norm(T, H, KVH, D, folded, close):
+    """Qwen3 / Gemma 3 QK-norm fused into the rotation, with and without the folded input norm
+    and bias: bf16 against the fp32 reference."""
+    from kernels.rope import apply_rope, apply_rope_ref, rope_cos_sin_cache
+
+    width = (H + 2 * KVH) * D
+    cache = rope_cos_sin_cache(D, 8192, 1e6).cuda()
+    qkv = (2 * torch.randn(T, width, device="cuda")).to(BF16)
+    pos = torch.randint(0, 8192, (T,), device="cuda")
+    wq, wk = ((1 + 0.5 * torch.randn(D, device="cuda")).to(BF16) for _ in range(2))
+    kw = dict(q_norm=wq, k_norm=wk, qk_eps=1e-6)
+    if folded:
+        kw.update(norm_rows=torch.randn(T, 2560, device="cuda", dtype=BF16), eps=1e-6,
+                  bias=torch.randn(width, device="cuda", dtype=BF16))
+
+    def views(x):
+        return (x[:, :H * D].view(T, H, D), x[:, H * D:(H + KVH) * D].view(T, KVH, D),
+                x[:, (H + KVH) * D:].view(T, KVH, D))
+
+    ref = qkv.float()
+    rq, rk, rv = views(ref)
+    apply_rope_ref(rq, rk, pos, cache, v=rv if folded else None, **kw)
+    got = qkv.clone()
+    q, k, v = views(got)
+    apply_rope(q, k, pos, cache, v=v if folded else None, **kw)
+    for name, a, b in zip("qkv", views(got), views(ref)):
+        close(a.float(), b, BF16, name)
+
+
+@pytest.mark.parametrize("T,F", [(4096, 10240), (333, 15360)])  # Gemma 3 4B's and 12B's MLPs
+@pytest.mark.parametrize("folded", [False, True])
+def test_gelu_tanh_and_mul(T, F, folded, close):
+    x = (3 * torch.randn(T, 2 * F, device="cuda")).to(BF16)
+    h = torch.randn(T, 2560, device="cuda", dtype=BF16) if folded else None
+    got = ops.act_and_mul(x, activation="gelu_tanh", norm_rows=h, eps=1e-6)
+    ref = ops.act_and_mul(x.float(), activation="gelu_tanh", norm_rows=h, eps=1e-6,
+                          use_triton=False)
+    close(got.float(), ref, BF16, "gelu_tanh")
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_logits_summary_gemma3_vocabulary(dtype):
+    """64 rows of 262,144 ids (Gemma 3's vocabulary), the largest bucket's first-token head."""
+    V, k, B = 262144, 20, 64
+    logits = (4 * torch.randn(B, V, device="cuda")).to(dtype)
+    logits[3, [V - 1, 200000]] = 40.0  # a tie past 2^17: the lower id first
+    logits_out = torch.full((B, V), float("nan"), device="cuda")
+    got = ops.summarize_logits(logits, k, logits_out=logits_out)
+    x = logits.double()
+    ref = ops.summarize_logits(x.float(), k, use_triton=False)
+    assert torch.equal(got[:, 0], ref[:, 0]), "greedy ids"
+    lp = torch.log_softmax(x, dim=-1)
+    assert (got[:, 1] - lp.max(-1).values).abs().max() < 2e-5, "greedy logprob"
+    assert (got[:, 2 + k:] - lp.topk(k, -1).values).abs().max() < 2e-5, "top-k logprobs"
+    ids = got[:, 2:2 + k].long()
+    assert torch.equal(x.gather(1, ids), x.gather(1, ref[:, 2:2 + k].long())), "top-k logits"
+    assert got[3, 0] == 200000 and got[3, 2:4].tolist() == [200000, V - 1]
+    assert torch.equal(logits_out, logits.float()), "the fp32 copy of the logits"
+
+
+def test_qk_norm_and_gelu_tanh_ops_opcheck():
+    from kernels.rope import rope_cos_sin_cache
+
+    x = torch.randn(5, 96, device="cuda", dtype=BF16)
+    torch.library.opcheck(torch.ops.prefill.act_and_mul.default,
+                          (x, torch.empty(5, 48, device="cuda", dtype=BF16), "gelu_tanh"))
+    q, k = torch.randn(5, 4, 64, device="cuda", dtype=BF16), torch.randn(5, 2, 64, device="cuda",
+                                                                        dtype=BF16)
+    w = torch.rand(64, device="cuda", dtype=BF16) + 0.5
+    cache = rope_cos_sin_cache(64, 16, 1e4).cuda()
+    pos = torch.arange(5, device="cuda")
+    torch.library.opcheck(torch.ops.prefill.apply_rope.default,
+                          (q, k, pos, cache, None, None, 0.0, None, w, w.clone(), 1e-6))

@@ -41,6 +41,33 @@ def test_against_reference(B, V, k, dtype, device):
     assert torch.equal(logits_out.cpu(), x.float()), "the fp32 copy of the logits"
 
 
+def _summary_f64(x: torch.Tensor, k: int) -> torch.Tensor:
+    """logits_summary_ref's packing from a float64 log_softmax: at 262,144 ids the CPU's fp32
+    log_softmax drifts by ~2e-5, past _check's tolerance (the kernel stays within 1e-6)."""
+    lp = torch.log_softmax(x.double(), dim=-1)
+    ids = torch.argmax(x.float(), dim=-1, keepdim=True)
+    vals, top = torch.topk(lp, k, dim=-1)
+    return torch.cat([ids.double(), lp.gather(-1, ids), top.double(), vals], dim=-1)
+
+
+def test_gemma3_vocabulary(device):
+    """262,144 ids (Gemma 3's): 64 chunks and 64 * k candidates a row; the best logits at the
+    vocabulary's last id and past 2^17, tied, so the lower id comes first."""
+    V, k = 262144, 4
+    x = (4 * torch.randn(3, V)).to(torch.bfloat16)
+    x[1, [V - 1, 200000]] = 30.0
+    x[2, V - 1] = 30.0
+    out = torch.full((3, 2 + 2 * k), float("nan"), dtype=torch.float64, device=device)
+    logits_out = torch.full((3, V), float("nan"), device=device)
+    got = logits_summary(x.to(device), k, out, logits_out)
+    _check(got, _summary_f64(x, k), x, k)
+    assert torch.equal(logits_out.cpu(), x.float()), "the fp32 copy of the logits"
+    got = got.cpu()
+    assert torch.equal(got[:, 0], logits_summary_ref(x, k)[:, 0])
+    assert got[1, 0] == 200000 and got[1, 2:4].tolist() == [200000, V - 1]
+    assert got[2, 0] == V - 1 and got[2, 2] == V - 1
+
+
 def test_ties_go_to_the_lowest_id(device):
     x = torch.zeros(2, 300)
     x[0, [250, 40, 260]] = 3.0  # three-way tie for the best

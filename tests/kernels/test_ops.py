@@ -30,8 +30,8 @@ def test_elementwise_ops_dispatch(close):
     close(bx, ax, torch.float32, "fused x")
     close(br, ar, torch.float32, "fused residual")
     h = torch.randn(3, 64)
-    close(*_both(ops.silu_and_mul, lambda: (h,)), torch.float32, "silu")
-    assert torch.equal(ops.silu_and_mul(x), ops.silu_and_mul(x, use_triton=None))  # CPU -> ref
+    close(*_both(ops.act_and_mul, lambda: (h,)), torch.float32, "silu")
+    assert torch.equal(ops.act_and_mul(x), ops.act_and_mul(x, use_triton=None))  # CPU -> ref
 
 
 def test_rope_and_store_kv_dispatch(close):
@@ -107,7 +107,7 @@ def test_custom_ops_registered_with_fakes():
         "rms_norm",
         "fused_add_rms_norm",
         "apply_rope",
-        "silu_and_mul",
+        "act_and_mul",
         "store_kv",
         "extend_attention",
         "logits_summary",
@@ -117,7 +117,7 @@ def test_custom_ops_registered_with_fakes():
         x = torch.empty(4, 64)
         out = torch.empty(4, 64)
         torch.ops.prefill.rms_norm(x, torch.empty(64), 1e-6, out)
-        torch.ops.prefill.silu_and_mul(torch.empty(4, 128), out)
+        torch.ops.prefill.act_and_mul(torch.empty(4, 128), out)
 
 
 def test_opcheck_rms_norm():

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import kernels.ops  # noqa: F401  (registers torch.ops.prefill.*)
 from kernels.rope import apply_rope, apply_rope_ref, rope_cos_sin_cache
 
 LLAMA3 = {
@@ -95,6 +96,74 @@ def test_apply_rope_folded_norm(T, H, KVH, D, hidden, dtype, bias, device, close
     close(ref.double(), want, dtype, "ref")
 
 
+def _qkv_views(x, H, KVH, D):
+    T = x.shape[0]
+    return (x[:, :H * D].view(T, H, D), x[:, H * D:(H + KVH) * D].view(T, KVH, D),
+            x[:, (H + KVH) * D:].view(T, KVH, D))
+
+
+@pytest.mark.parametrize("T,H,KVH,D,dtype,folded,bias", [
+    (5, 8, 2, 64, torch.float32, False, False),
+    (7, 8, 2, 128, torch.bfloat16, True, True),  # Qwen3's head_dim, with the folded input norm
+    (4, 8, 2, 256, torch.bfloat16, False, False),  # Gemma 3's head_dim
+    (3, 8, 2, 256, torch.float32, True, False),
+    (6, 9, 3, 80, torch.float16, True, True),
+])
+def test_apply_rope_qk_norm(T, H, KVH, D, dtype, folded, bias, device, close):
+    """q_norm/k_norm: each q and k head RMS-normalised over its D elements (after the folded
+    norm's scale and the bias), then rotated; v is never QK-normed. Against torch's rms_norm per
+    head followed by the plain rotation."""
+    eps, qk_eps = 1e-6, 1e-6
+    cache = rope_cos_sin_cache(D, 512, 1e6)
+    width = (H + 2 * KVH) * D
+    raw = (2 * torch.randn(T, width)).to(dtype)
+    h = (3 * torch.randn(T, 96)).to(dtype)
+    b_used = torch.randn(width).to(dtype) if bias else None
+    wq, wk = ((1 + 0.5 * torch.randn(D)).to(dtype) for _ in range(2))
+    positions = torch.randint(0, 512, (T,))
+    # the chain in float64: scale, bias, per-head rms norm of q and k, rotation of q and k
+    want = raw.double()
+    if folded:
+        want = want * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)
+    if bias:
+        want = want + b_used.double()
+    wq_, wk_, wv_ = _qkv_views(want, H, KVH, D)
+    wq_.copy_(torch.nn.functional.rms_norm(wq_, (D,), wq.double(), qk_eps))
+    wk_.copy_(torch.nn.functional.rms_norm(wk_, (D,), wk.double(), qk_eps))
+    apply_rope_ref(wq_, wk_, positions, cache)
+
+    kw = dict(q_norm=wq, k_norm=wk, qk_eps=qk_eps)
+    if folded:
+        kw.update(norm_rows=h, eps=eps)
+    if bias:
+        kw.update(bias=b_used)
+    dev = raw.to(device, copy=True)
+    q, k, v = _qkv_views(dev, H, KVH, D)
+    kd = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    apply_rope(q, k, positions.to(device), cache.to(device), v=v if folded else None, **kd)
+    ref = raw.clone()
+    rq, rk, rv = _qkv_views(ref, H, KVH, D)
+    apply_rope_ref(rq, rk, positions, cache, v=rv if folded else None, **kw)
+    for name, got in (("triton", dev.cpu()), ("ref", ref)):
+        for part, g, w in zip("qkv", _qkv_views(got, H, KVH, D), _qkv_views(want, H, KVH, D)):
+            close(g.double(), w, dtype, f"{name} {part}")
+    if not folded:
+        assert torch.equal(dev[:, (H + KVH) * D:].cpu(), raw[:, (H + KVH) * D:]), "v untouched"
+
+
+def test_qk_norm_through_the_custom_op(device, close):
+    """torch.ops.prefill.apply_rope (what torch.compile calls) takes the QK-norm weights."""
+    T, H, KVH, D = 3, 4, 2, 64
+    cache, pos = rope_cos_sin_cache(D, 16, 1e4).to(device), torch.arange(T, device=device)
+    q, k = torch.randn(T, H, D, device=device), torch.randn(T, KVH, D, device=device)
+    wq, wk = (torch.rand(D, device=device) + 0.5 for _ in range(2))
+    want_q, want_k = apply_rope_ref(q.clone(), k.clone(), pos, cache, q_norm=wq, k_norm=wk,
+                                    qk_eps=1e-6)
+    torch.ops.prefill.apply_rope(q, k, pos, cache, q_norm=wq, k_norm=wk, qk_eps=1e-6)
+    close(q, want_q, torch.float32, "q")
+    close(k, want_k, torch.float32, "k")
+
+
 def _hf_llama3_inv_freq(dim, base, s):
     """transformers' _compute_llama3_parameters, transcribed step by step."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -144,3 +213,8 @@ def test_asserts(device):
         apply_rope(q, q.clone(), pos.float(), cache)
     with pytest.raises(AssertionError):
         apply_rope(q, q.clone(), pos, cache.double())
+    w = torch.ones(64, device=device)
+    with pytest.raises(AssertionError, match="together"):
+        apply_rope(q, q.clone(), pos, cache, q_norm=w)
+    with pytest.raises(AssertionError, match="QK-norm weight"):
+        apply_rope(q, q.clone(), pos, cache, q_norm=w[:32], k_norm=w[:32])

@@ -13,6 +13,7 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog 0123456789.",
     "Prefill services compute the KV cache of a prompt.",
 ]
+GEMMA3_WINDOW = 8  # keys a windowed layer of the "gemma3" checkpoint sees, itself included
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
@@ -29,7 +30,9 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def write_checkpoint(path: Path, kind: str, seed: int = 0, shards: int = 1) -> Path:
-    """kind: 'llama' (untied head, Llama-3 rope scaling) or 'qwen2' (QKV bias, tied)."""
+    """kind: 'llama' (untied head, Llama-3 rope scaling), 'qwen2' (QKV bias, tied), 'qwen3'
+    (QK-norm, head_dim 32 over a 64 hidden of 4 heads, tied) or 'gemma3' (6 layers: two windowed
+    of 8 keys then one global, twice; local RoPE base, query_pre_attn_scalar 24, logit softcap)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -48,12 +51,25 @@ def write_checkpoint(path: Path, kind: str, seed: int = 0, shards: int = 1) -> P
         cfg = transformers.Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                        rope_theta=1000000.0)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6,
+                                       tie_word_embeddings=True, rope_theta=1000000.0)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6}, head_dim=32, rms_norm_eps=1e-6,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=24, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+            final_logit_softcapping=30.0)
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
+    norm_mean = 0.0 if kind == "gemma3" else 1.0  # Gemma's norms scale by 1 + w
     with torch.no_grad():  # larger than init defaults so that mistakes show in the logits
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.normal_(1.0, 0.1)
+                p.normal_(norm_mean, 0.1)
             else:
                 p.normal_(0.0, 0.08)
     max_shard = "200KB" if shards > 1 else "100GB"

@@ -6,6 +6,7 @@ import torch
 from kernels import ops
 from service.model.attention import AttentionBackend
 from service.model.meta import ForwardMeta, KVCache
+from tests.engine.helpers import tiny_cfg
 
 
 def _meta(q_lens, prefix_lens, kvh=2, d=16, page_size=4):
@@ -23,7 +24,8 @@ def test_the_seam_passes_prefix_and_row_count_unless_switched_off(monkeypatch):
     seen = []
     monkeypatch.setattr(ops, "extend_attention", lambda q, k, v, kc, vc, batch, **kw: seen.append(
         (batch.max_prefix_len, batch.num_tokens)))
-    backend = AttentionBackend("torch", 4, 2, 16)
+    backend = AttentionBackend("torch", tiny_cfg(num_layers=1, num_heads=4, num_kv_heads=2,
+                                                         head_dim=16))
     qkv = torch.randn(7, (4 + 2 * 2) * 16)
     backend(0, qkv, _meta([3, 4], [0, 0]))
     backend(0, qkv, _meta([3, 4], [0, 5]))

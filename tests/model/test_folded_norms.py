@@ -1,4 +1,4 @@
-"""Folded norms (LlamaModel.fold_norms): the same forward as the unfolded model, eagerly, on the
+"""Folded norms (DecoderModel.fold_norms): the same forward as the unfolded model, eagerly, on the
 Triton kernels (CPU: the interpreter), and through the graph runner's breakable
 and full graphs, whose segments then add into the residual and run no norm kernel but the
 final one."""
@@ -14,7 +14,7 @@ import torch
 from service.engine.batch import build_batch
 from service.engine.dp import DPGroup
 from service.engine.kv_pool import KVPool
-from service.model.layers import swiglu
+from service.model.layers import gated_mlp
 from service.model.loader import LoadedModel, random_model
 from tests.engine.helpers import PAGE, Runners, chunk, engine_cfg, prompts, tiny_cfg
 
@@ -56,7 +56,7 @@ def test_folded_forward_matches_the_unfolded_one(arch):
     lay, ref = folded.layers[1], model.layers[1]
     assert not torch.equal(lay.qkv_proj.weight, ref.qkv_proj.weight)
     torch.testing.assert_close(lay.qkv_proj.weight,
-                               ref.qkv_proj.weight * ref.input_layernorm.weight, atol=0,
+                               ref.qkv_proj.weight * ref.attn_norm.weight, atol=0,
                                rtol=1e-6)
     got, pool = forward(folded, eager, [7, 3])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -77,7 +77,7 @@ def test_folded_bf16_stays_within_rounding():
     assert err < 2e-2, err
 
 
-def test_folded_swiglu_adds_into_its_input_in_chunks():
+def test_folded_gated_mlp_adds_into_its_input_in_chunks():
     """The runner's MLP scratch holds fewer rows than the batch: each chunk reads its rows
     (gate/up and the rstd) before down adds into them."""
     torch.manual_seed(0)
@@ -88,10 +88,10 @@ def test_folded_swiglu_adds_into_its_input_in_chunks():
     x = 3 * torch.randn(37, d)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
     with torch.inference_mode():
-        want = x + swiglu(normed, gate_up, down, use_triton=False)
+        want = x + gated_mlp(normed, gate_up, down, use_triton=False)
         gate_up.weight.mul_(g)
         h = x.clone()
-        got = swiglu(h, gate_up, down, use_triton=False, out=h,
+        got = gated_mlp(h, gate_up, down, use_triton=False, out=h,
                      scratch=torch.full((16, 2 * f), float("nan")), norm_eps=eps)
     assert got.data_ptr() == h.data_ptr()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -126,8 +126,7 @@ def test_folded_triton_kernels_match_the_unfolded_reference():
     model = spread_model("qwen2", layers=4)
     want, _ = forward(model, eager, [6, 5])
     tri = copy.deepcopy(model)
-    tri.attn = type(model.attn)("triton", model.cfg.num_heads, model.cfg.num_kv_heads,
-                                model.cfg.head_dim)
+    tri.attn = type(model.attn)("triton", model.cfg)
     (got, _), _ = forward(tri, graphed(0, triton=True), [6, 5])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -161,15 +160,15 @@ def test_fold_norms_setting_reaches_the_engine():
 def test_large_batches_keep_the_norm_kernels_with_unit_weights(monkeypatch):
     """Above FUSED_NORM_MAX_ELEMS the folded model runs the norm kernels (unit weights) and
     plain GEMMs: the same function; the runner picks per bucket (8 rows fused, 32 not)."""
-    from service.model import llama
+    from service.model import decoder
 
     model = spread_model("qwen2", layers=3)
-    monkeypatch.setattr(llama, "FUSED_NORM_MAX_ELEMS", 8 * model.cfg.hidden_size)
+    monkeypatch.setattr(decoder, "FUSED_NORM_MAX_ELEMS", 8 * model.cfg.hidden_size)
     folded = copy.deepcopy(model)
     folded.fold_norms()
     assert all(float(n.weight.detach().min()) == float(n.weight.detach().max()) == 1.0
                for layer in folded.layers
-               for n in (layer.input_layernorm, layer.post_attention_layernorm))
+               for n in (layer.attn_norm, layer.mlp_norm))
     assert folded.fuses_norm(8) and not folded.fuses_norm(9)
     for lengths in ([4, 2], [12, 9]):  # 6 rows: fused; 21 rows: norm kernels
         want, _ = forward(model, eager, lengths)

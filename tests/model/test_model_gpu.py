@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from service.model.attention import AttentionBackend
-from service.model.config import preset
+from service.model.families import preset
 from service.model.loader import random_model
 from tests.model.prefill import Prefiller
 
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu,
 
 def _use(model, kind: str) -> None:
     c = model.cfg
-    model.attn = AttentionBackend(kind, c.num_heads, c.num_kv_heads, c.head_dim)
+    model.attn = AttentionBackend(kind, c)
     model.set_kernels(kind == "triton")
 
 
@@ -44,15 +44,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b"])
-def test_triton_matches_reference_on_varlen_batch_with_prefix(name):
+@pytest.mark.parametrize("name, prefix_len", [
+    ("smollm2-135m", 77), ("qwen2.5-0.5b", 77), ("llama-3.2-1b", 77), ("qwen3-0.6b", 77),
+    ("gemma-3-1b", 77), ("gemma-3-1b", 700)])  # 700: the cached prefix crosses the 512 window
+def test_triton_matches_reference_on_varlen_batch_with_prefix(name, prefix_len):
     m32 = random_model(preset(name), "cuda", torch.float32, seed=1)
     m16 = copy.deepcopy(m32).to(torch.bfloat16)
-    m16.cos_sin = m32.cos_sin  # the RoPE table stays fp32
+    m16.build_rope_tables(torch.device("cuda"))  # the RoPE tables stay fp32
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, m32.cfg.vocab_size, (n,), generator=g).tolist()
                for n in [1, 37, 200, 1000, 3]]
-    prefix = torch.randint(0, m32.cfg.vocab_size, (77,), generator=g).tolist()
+    prefix = torch.randint(0, m32.cfg.vocab_size, (prefix_len,), generator=g).tolist()
     _use(m32, "torch")
     exact = _run(m32, prompts, prefix)
     _use(m16, "torch")

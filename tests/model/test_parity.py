@@ -7,13 +7,13 @@ import torch
 
 from service.model.files import default_model_path
 from service.model.loader import load_model
-from tests.model.checkpoints import write_checkpoint
+from tests.model.checkpoints import GEMMA3_WINDOW, write_checkpoint
 from tests.model.prefill import Prefiller
 
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def tiny(request, tmp_path_factory):
     import transformers
 
@@ -55,12 +55,26 @@ def test_tiny_single_and_batch_match_transformers(tiny):
 
 def test_tiny_uses_config_features(tiny):
     ours, _ = tiny
-    if ours.cfg.arch == "llama":
-        assert ours.cfg.rope_scaling and ours.cfg.rope_scaling["factor"] == 8.0
-        assert not ours.cfg.tie_word_embeddings and ours.model.lm_head is not None
+    cfg = ours.cfg
+    if cfg.arch == "llama":
+        assert cfg.rope_scaling and cfg.rope_scaling["factor"] == 8.0
+        assert not cfg.tie_word_embeddings and ours.model.lm_head is not None
+    elif cfg.arch == "qwen2":
+        assert cfg.qkv_bias and ours.model.layers[0].qkv_proj.bias is not None
+        assert cfg.tie_word_embeddings and ours.model.lm_head is None
+    elif cfg.arch == "qwen3":
+        assert cfg.qk_norm and not cfg.qkv_bias and not cfg.windows
+        assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim) == (64, 4, 32)  # 4 x 32 != 64
+        assert cfg.tie_word_embeddings and ours.model.lm_head is None
     else:
-        assert ours.cfg.qkv_bias and ours.model.layers[0].qkv_proj.bias is not None
-        assert ours.cfg.tie_word_embeddings and ours.model.lm_head is None
+        assert cfg.arch == "gemma3"
+        assert cfg.windows == (GEMMA3_WINDOW, GEMMA3_WINDOW, 0) * 2
+        assert cfg.qk_norm and cfg.sandwich_norms and cfg.activation == "gelu_tanh"
+        assert cfg.embed_scale == 8.0 and cfg.head_dim == 32
+        assert cfg.attn_scale == pytest.approx(24**-0.5)
+        assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
+        assert cfg.final_logit_softcap == 30.0
+        assert cfg.tie_word_embeddings and ours.model.lm_head is None
 
 
 def test_chunked_prefix_reuse_matches_one_pass(tiny):
@@ -74,6 +88,31 @@ def test_chunked_prefix_reuse_matches_one_pass(tiny):
     second = pre.chunk(prompt[23:], prefix_len=23, pages=list(first.pages))
     two = pre.run([second])[0][-1]
     _close(two, one)
+
+
+@pytest.mark.parametrize("tiny", ["gemma3"], indirect=True)
+def test_window_chunks_read_the_paged_prefix(tiny):
+    """Chunk boundaries inside the sliding window and across it, each chunk reading the keys
+    before it from the paged cache, give the one-pass logits at every position."""
+    ours, ref = tiny
+    assert ours.cfg.num_windowed_layers == 4
+    (prompt,) = _prompts(ours.cfg.vocab_size, [41], seed=5)
+    pre = Prefiller(ours.model, page_size=4)
+    one = pre.run([pre.chunk(prompt, all_logits=True)])[0]
+    with torch.no_grad():
+        assert (one - ref(torch.tensor([prompt])).logits[0].float()).abs().max() <= ATOL
+    # chunks of 5, 8 (the window), 9, 15 and 4 tokens, mid-page: windows across a boundary, or not
+    cuts = [0, 5, 13, 22, 37, len(prompt)]
+    pages: list[int] = []
+    rows = []
+    for s, e in zip(cuts, cuts[1:]):
+        c = pre.chunk(prompt[s:e], prefix_len=s, pages=pages, all_logits=True)
+        pages = list(c.pages)
+        rows.append(pre.run([c])[0])
+    two = torch.cat(rows)
+    assert two.shape == one.shape
+    diff = (two - one).abs().max().item()
+    assert diff <= ATOL, f"max abs diff {diff:.3g} > {ATOL}"
 
 
 def test_prompt_logits_for_every_token(tiny):

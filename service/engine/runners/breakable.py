@@ -14,7 +14,7 @@ from service.engine.full_buffers import capture_chunks
 from service.engine.graph import SegmentBackend
 from service.engine.runners import Chunks, gc_paused, on_stream
 from service.model.attention import BreakPlan
-from service.model.llama import Activations, LlamaModel
+from service.model.decoder import Activations, DecoderModel
 from service.model.meta import KVCache
 
 
@@ -22,20 +22,17 @@ class BreakableRunner:
     name = "breakable"
     MAX_PLANS = 64  # attention launches kept for reuse; past this the cache starts over
 
-    def __init__(self, model: LlamaModel, buckets: Buckets, backend: SegmentBackend,
+    def __init__(self, model: DecoderModel, buckets: Buckets, backend: SegmentBackend,
                  stream: torch.cuda.Stream | None = None, staging: BatchStaging | None = None):
         self.model, self.cfg, self.buckets, self.backend = model, model.cfg, buckets, backend
         self.stream, self.staging = stream, staging
-        w = model.embed_tokens.weight
-        self.device, self.dtype = w.device, w.dtype
+        self.device, self.dtype = model.device, model.dtype
         self.bufs: StaticBuffers | None = None
         self._plans: dict[tuple, tuple] = {}
 
     def allocate(self) -> StaticBuffers:
-        mlp_width = self.model.layers[0].mlp.gate_up_proj.weight.shape[0] if len(
-            self.model.layers) else 1
         return StaticBuffers.allocate(self.cfg, self.buckets.largest, self.dtype, self.device,
-                                      mlp_width)
+                                      self.model.mlp_width)
 
     @torch.inference_mode()
     def capture(self, kv: KVCache, on_bucket: Callable[[int, int], None] | None = None) -> None:

@@ -6,17 +6,17 @@ import torch
 
 from service.engine.batch import BatchStaging, PrefillBatch, build_batch
 from service.engine.runners import Chunks, on_stream
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 from service.model.meta import KVCache
 
 
 class EagerRunner:
     name = "eager"
 
-    def __init__(self, model: LlamaModel, stream: torch.cuda.Stream | None = None,
+    def __init__(self, model: DecoderModel, stream: torch.cuda.Stream | None = None,
                  staging: BatchStaging | None = None):
         self.model, self.stream, self.staging = model, stream, staging
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
         return True

@@ -15,7 +15,7 @@ from service.engine.full_buffers import FullBuffers, capture_chunks
 from service.engine.runners import Chunks, gc_paused, on_stream
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.sampling import summarize
-from service.model.llama import Eager
+from service.model.decoder import Eager
 from service.model.meta import KVAddresses, KVCache
 
 BLAS = "cublaslt"
@@ -50,13 +50,13 @@ class FullGraphRunner:
     @torch.inference_mode()
     def capture(self, kv: KVCache) -> None:
         """One full graph per bucket; after the breakable capture (it uses their buffers)."""
-        if not self.sizes or not len(self.model.layers) or self.graphs.bufs is None:
+        if not self.sizes or not self.model.cfg.num_layers or self.graphs.bufs is None:
             return
         device = self.graphs.device
         if self.bufs is None:
             self.bufs = FullBuffers(max(self.sizes), self.max_seqs, self.max_pages,
                                     kv.page_size, self.model.cfg.vocab_size, device)
-            self.kv_addrs = KVAddresses(len(self.model.layers), device)
+            self.kv_addrs = KVAddresses(self.model.cfg.num_layers, device)
         self.kv_addrs.bind(kv)
         try:
             with on_stream(self.graphs.stream), gc_paused(), blas_library(BLAS, device):

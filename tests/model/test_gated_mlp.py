@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from service.model.layers import mlp_row_chunks, swiglu
+from service.model.layers import gated_mlp, mlp_row_chunks
 
 CAP = 32
 D, F = 24, 80
@@ -24,10 +24,10 @@ def test_chunked_equals_unchunked_in_place(mlp, rows):
     gate_up, down = mlp
     x = torch.randn(rows, D)
     with torch.inference_mode():
-        want = swiglu(x, gate_up, down, use_triton=False)  # eager: no scratch
+        want = gated_mlp(x, gate_up, down, use_triton=False)  # eager: no scratch
         h = x.clone()
         scratch = torch.full((CAP, 2 * F), float("nan"))  # stale garbage must not leak
-        got = swiglu(h, gate_up, down, use_triton=False, out=h, scratch=scratch)
+        got = gated_mlp(h, gate_up, down, use_triton=False, out=h, scratch=scratch)
     assert got.data_ptr() == h.data_ptr() and got.shape == (rows, D)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 

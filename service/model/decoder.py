@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) in plain PyTorch over a flat varlen batch.
-
-`run(acts, steps)` is the one forward every path executes; folded norms skip the norm kernels."""
+"""The decoder every family runs, in plain PyTorch over a flat varlen batch: Llama's layer, with
+the differences a family declares in its ModelConfig (QK-norm, sandwich norms, GeGLU, embedding
+scale, per-layer window and RoPE, logit soft-cap). `run(acts, steps)` is the one forward every
+path executes; folded norms skip the norm kernels."""
 
 from __future__ import annotations
 
@@ -65,18 +66,26 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.cfg = cfg
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(h, eps)
+        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.attn_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
+        self.mlp_norm = RMSNorm(h, eps)
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.activation)
+        self.mlp_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
+        # the model's RoPE table this layer reads: 1 for windowed layers with their own base
+        self.rope = int(bool(cfg.window(layer_id)) and cfg.local_rope_theta is not None)
         self.use_triton = False
         self.folded = False  # the norm weights live in qkv_proj / gate_up_proj (fold_norms)
 
     def fold_norms(self) -> None:
-        """Multiply the norm weights into the projections after them; norms keep unit weights."""
-        for norm, lin in ((self.input_layernorm, self.qkv_proj),
-                          (self.post_attention_layernorm, self.mlp.gate_up_proj)):
+        """Multiply the norm weights into the projections after them; norms keep unit weights.
+        NOTE: sandwich norms do not fold: a branch output is normed before the residual add."""
+        assert not self.cfg.sandwich_norms, "sandwich-norm layers keep their norm kernels"
+        for norm, lin in ((self.attn_norm, self.qkv_proj), (self.mlp_norm, self.mlp.gate_up_proj)):
             w = lin.weight.data
             w.copy_(w.float().mul_(norm.weight.data.float()[None, :]).to(w.dtype))
             norm.weight.data.fill_(1.0)
@@ -91,39 +100,51 @@ class DecoderLayer(nn.Module):
         if self.fuses_norm(residual.shape[0]):
             self.qkv_rope(residual, positions, cos_sin, qkv_out, norm_rows=residual)
             return
-        self.input_layernorm(h, residual)
+        self.attn_norm(h, residual)
         self.qkv_rope(h, positions, cos_sin, qkv_out)
 
     def qkv_rope(self, h_normed: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  out: torch.Tensor | None = None, norm_rows: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        """QKV and RoPE; with `norm_rows` (raw residual input) RoPE also applies rstd and bias."""
+        """QKV, QK-norm and RoPE; with `norm_rows` (raw residual input) the RoPE kernel also
+        applies the input norm's rstd and the bias."""
         folded = norm_rows is not None
         qkv = linear(h_normed, self.qkv_proj, out, bias=not folded)  # (T, (H + 2KVH) * D)
         t, c = qkv.shape[0], self.cfg
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+        qk = {} if self.q_norm is None else dict(
+            q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, qk_eps=c.rms_norm_eps)
         if not folded:
-            ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton)
+            ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton, **qk)
             return qkv
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
         ops.apply_rope(q, k, positions, cos_sin, use_triton=self.use_triton, v=v,
-                       norm_rows=norm_rows, eps=c.rms_norm_eps, bias=self.qkv_proj.bias)
+                       norm_rows=norm_rows, eps=c.rms_norm_eps, bias=self.qkv_proj.bias, **qk)
         return qkv
 
     def post(self, attn_out: torch.Tensor, residual: torch.Tensor, h_out: torch.Tensor,
              scratch: torch.Tensor | None = None) -> torch.Tensor | None:
-        """O projection, add + norm, MLP into `h_out`; fused norm: into `residual`, returns None."""
+        """O projection, add + norm, MLP into `h_out`; fused norm: into `residual`, returns None.
+        Sandwich norms: the O projection's and the MLP's outputs are normed in place."""
         if self.fuses_norm(residual.shape[0]):
             linear(attn_out, self.o_proj, residual, accumulate=True)
             self.mlp(residual, out=residual, scratch=scratch, norm_eps=self.cfg.rms_norm_eps)
             return None
         h = linear(attn_out, self.o_proj, h_out)
-        self.post_attention_layernorm(h, residual)
-        return self.mlp(h, out=h, scratch=scratch)
+        if self.attn_out_norm is not None:
+            self.attn_out_norm(h, out=h)
+        self.mlp_norm(h, residual)
+        h = self.mlp(h, out=h, scratch=scratch)
+        if self.mlp_out_norm is not None:
+            self.mlp_out_norm(h, out=h)
+        return h
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
+    """What the engine sees of a model: `run`, `logits`/`head_at`, its dims (cfg, mlp_width,
+    max_positions), its attention seam (`attn`) and the MLPs a data-parallel runner shards."""
+
     def __init__(self, cfg: ModelConfig, attn_backend: str = "torch",
                  max_positions: int | None = None):
         super().__init__()
@@ -133,18 +154,32 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
-        self.attn = AttentionBackend(attn_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = AttentionBackend(attn_backend, cfg)
         self.max_positions = max_positions or cfg.max_position_embeddings
-        # fp32 (max_pos, D): cos | sin, Llama-3 scaling baked in; not a parameter.
+        # fp32 (max_pos, D): cos | sin, scaling baked in; not parameters. [1]: windowed layers'
         self.register_buffer("cos_sin", self.rope_table(cfg, self.max_positions), persistent=False)
+        if cfg.local_rope_theta is not None:
+            self.register_buffer("cos_sin_local", self.rope_table(cfg, self.max_positions, True),
+                                 persistent=False)
         self.norms_folded = False
 
     @staticmethod
-    def rope_table(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
+    def rope_table(cfg: ModelConfig, max_positions: int, local: bool = False) -> torch.Tensor:
+        if local:
+            return rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.local_rope_theta)
         return rope_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
+    def build_rope_tables(self, device: torch.device) -> None:
+        """(Re)compute the RoPE tables on `device` (to_empty() leaves buffers uninitialised)."""
+        self.cos_sin = self.rope_table(self.cfg, self.max_positions).to(device)
+        if self.cfg.local_rope_theta is not None:
+            self.cos_sin_local = self.rope_table(self.cfg, self.max_positions, True).to(device)
+
+    def _table(self, layer: int) -> torch.Tensor:
+        return self.cos_sin_local if self.layers[layer].rope else self.cos_sin
+
     def fold_norms(self) -> None:
-        if self.norms_folded:
+        if self.norms_folded or self.cfg.sandwich_norms:
             return
         with torch.no_grad():
             for layer in self.layers:
@@ -159,13 +194,32 @@ class LlamaModel(nn.Module):
             if hasattr(m, "use_triton"):
                 m.use_triton = use_triton
 
+    def map_mlps(self, fn: Callable[[nn.Module], nn.Module]) -> None:
+        """Replace every layer's MLP by fn(mlp) (the data-parallel runner shards them)."""
+        for layer in self.layers:
+            layer.mlp = fn(layer.mlp)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def mlp_width(self) -> int:
+        """Gate|up output features: the MLP scratch's row width."""
+        return 2 * self.cfg.intermediate_size
+
+    @property
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def embed_scale(self) -> float:
+        """The embedding multiplier as the checkpoint's dtype holds it (Gemma: √hidden)."""
+        return float(torch.tensor(self.cfg.embed_scale, dtype=self.dtype))
 
     def run(self, acts: Activations, steps: Steps) -> None:
         """Token ids to the final normed rows (acts.hidden); attention reads qkv, writes attn."""
@@ -176,19 +230,21 @@ class LlamaModel(nn.Module):
 
     def _begin(self, a: Activations) -> None:
         torch.index_select(self.embed_tokens.weight, 0, a.input_ids, out=a.residual)
+        if self.cfg.embed_scale != 1.0:
+            a.residual.mul_(self.embed_scale)
         if self.layers:
             first = self.layers[0]
             if not first.fuses_norm(a.residual.shape[0]):
-                first.input_layernorm(a.residual, out=a.hidden)
-                first.qkv_rope(a.hidden, a.positions, self.cos_sin, out=a.qkv)
+                first.attn_norm(a.residual, out=a.hidden)
+                first.qkv_rope(a.hidden, a.positions, self._table(0), out=a.qkv)
                 return
-            first.pre(None, a.residual, a.positions, self.cos_sin, a.qkv)
+            first.pre(None, a.residual, a.positions, self._table(0), a.qkv)
 
     def _between(self, i: int, a: Activations) -> None:
         """Layer i after its attention, then layer i + 1 up to its attention (or the final norm)."""
         h = self.layers[i].post(a.attn, a.residual, a.hidden, a.mlp_scratch)
         if i + 1 < len(self.layers):
-            self.layers[i + 1].pre(h, a.residual, a.positions, self.cos_sin, a.qkv)
+            self.layers[i + 1].pre(h, a.residual, a.positions, self._table(i + 1), a.qkv)
         elif h is None:  # no norm kernels: the residual is the whole state
             self.norm(a.residual, out=a.hidden)
         else:
@@ -199,7 +255,11 @@ class LlamaModel(nn.Module):
 
     def head_at(self, h_normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         picked = h_normed.index_select(0, rows)  # (N, hidden)
-        return torch.nn.functional.linear(picked, self.head_weight)
+        logits = torch.nn.functional.linear(picked, self.head_weight)
+        cap = self.cfg.final_logit_softcap
+        if cap is None:
+            return logits
+        return torch.tanh(logits.float() / cap).mul_(cap)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: ForwardMeta) -> torch.Tensor:

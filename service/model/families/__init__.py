@@ -1,0 +1,69 @@
+"""The architecture registry: one module per family declares how its checkpoints map onto a
+ModelConfig and onto the decoder's weights. The engine never sees a family, only the decoder.
+
+A new family is a module here (its `FAMILY`), listed in `_modules`, and its parity tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.model.config import HFConfig, ModelConfig
+from service.model.errors import ModelLoadError, UnsupportedArchitecture
+from service.model.families.base import Family
+
+
+def _modules() -> list[Family]:
+    from service.model.families import gemma3, llama, qwen2, qwen3
+
+    return [llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY]
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in _modules()}
+PRESETS: dict[str, dict[str, Any]] = {
+    name: {"arch": f.name, **f.traits, **shape}
+    for f in FAMILIES.values() for name, shape in f.presets.items()
+}
+
+
+def family(name: str) -> Family:
+    return FAMILIES[name]
+
+
+def supported() -> str:
+    return "; ".join(f"{', '.join(f.architectures)} ({f.describe})" for f in FAMILIES.values())
+
+
+def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a checkpoint's config.json, or UnsupportedArchitecture."""
+    archs = raw.get("architectures") or []
+    for f in FAMILIES.values():
+        if any(a in f.architectures for a in archs) or (
+                not archs and raw.get("model_type") in f.model_types):
+            return f.from_hf(HFConfig(raw, where))
+    raise UnsupportedArchitecture(
+        f"{where}: unsupported architecture {archs or raw.get('model_type')!r}; supported: "
+        f"{supported()}")
+
+
+def family_for_gguf(arch: Any, where: str) -> Family:
+    for f in FAMILIES.values():
+        if f.gguf_arch is not None and f.gguf_arch == arch:
+            return f
+    known = ", ".join(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch)
+    raise UnsupportedArchitecture(
+        f"{where}: unsupported GGUF architecture {arch!r}; supported: {known}")
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A real checkpoint's shape, for random-weight benchmarks and GPU tests."""
+    if name not in PRESETS:
+        raise ModelLoadError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    shape = {**PRESETS[name], **overrides}
+    if shape.get("windows") and "windows" not in overrides:  # fewer layers: the first ones
+        shape["windows"] = shape["windows"][: shape["num_layers"]]
+    return ModelConfig(name=name, **shape)
+
+
+def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json of a checkpoint of `cfg`'s shape (its family's mapping, inverted)."""
+    return family(cfg.arch).to_hf(cfg)

@@ -1,0 +1,40 @@
+"""Qwen3 (dense): Llama's layer with a per-head RMSNorm on q and k before RoPE, no QKV bias, and
+a head_dim of its own (0.6B: 16 heads x 128 over a 1,024 hidden)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.model.config import HFConfig, ModelConfig
+from service.model.families.base import Family, base_hf
+
+
+def from_hf(c: HFConfig) -> ModelConfig:
+    if c.get("use_sliding_window", False):  # no published Qwen3 checkpoint sets it
+        c.refuse("use_sliding_window: true")
+    return ModelConfig(**c.common("qwen3", eps_default=1e-6), qk_norm=True)
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **base_hf(cfg)}
+
+
+FAMILY = Family(
+    name="qwen3",
+    architectures=("Qwen3ForCausalLM",),
+    model_types=("qwen3",),
+    describe="Qwen3 dense 0.6B-32B, Qwen3-Reranker/Embedding bases",
+    from_hf=from_hf,
+    to_hf=to_hf,
+    gguf_arch="qwen3",
+    traits=dict(qk_norm=True),
+    presets={
+        "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                           num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                           rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                           max_position_embeddings=40960),
+        "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960),
+    },
+)
