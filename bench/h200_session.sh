@@ -62,9 +62,9 @@ step family_tests "${T_FAM:-240}" python3 -m pytest -v -rP -m gpu -p no:cachepro
   tests/model/test_model_gpu.py tests/engine/test_full_graph_gpu.py tests/kernels/test_kernels_gpu.py \
   -k "window or qk_norm or gelu or gemma or qwen3 or triton_matches or opcheck"
 step family_bound "${T_FB:-420}" env OUT="$R" python3 bench/bound.py --models "$FAMILIES" --breakdown
-step family_e2e "${T_FE:-420}" env OUT="$R" python3 bench/e2e.py --models "$FAMILIES" \
+step family_e2e "${T_FE:-420}" env OUT="$R" python3 bench/e2e.py --models "${E2E_MODELS:-$FAMILIES}" \
   --variants ours-graph,hf-sdpa
-step sizing "${T_SZ:-300}" env OUT="$R" MODEL_PATH="$PWD/.gpu_assets/smollm2" python3 bench/sizing.py
+step sizing "${T_SZ:-300}" env OUT="$R" MODEL_PATH="$PWD/.gpu_assets/smollm2" python3 bench/sizing.py --models "${SIZING_MODELS:-qwen3-8b,gemma-3-1b,llama-3.1-8b}"
 step attention_window "${T_AW:-200}" env OUT="$R" python3 bench/attention.py --cases window
 step attention "${T_ATTN:-420}" env OUT="$R" python3 bench/attention.py ${ATTN_ARGS:-}
 step sm90_launch "${T_SL:-300}" env OUT="$R" python3 bench/sm90_launch.py
