@@ -117,12 +117,13 @@ def test_full_graph_equals_eager_for_every_small_bucket(runner, unpacked_tiles):
         assert batch.padded_tokens == n and torch.isfinite(full).all(), n
         # QK-norm (Qwen3) attends with scores of order 1, not near 0 as random Llama weights
         # do: the two paths' attention tiles (sized by rows known vs rows bound) round the bf16
-        # probabilities differently enough to show (0.57 % at the 320 bucket on the H200)
+        # probabilities differently enough to show (on the H200 at the 320 bucket: 0.57 % in
+        # the logits, 0.41 % in the KV rows the later layers store)
         tol = 1e-2 if runner.cfg.qk_norm else 1e-3
         assert relerr(full, brk) <= tol, (n, relerr(full, brk))
         assert torch.equal(full.argmax(-1), brk.argmax(-1)), n
-        for a, b in zip(kv_full, kv_rows(pool, chunks)):
-            assert relerr(a, b) <= 1e-3, n
+        for a, b in zip(kv_full, kv_rows(pool, chunks)):  # past layer 0: attention's rounding
+            assert relerr(a, b) <= tol, n
         for c in chunks:
             pool.allocator.free(list(c.pages))
 
