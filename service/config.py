@@ -84,6 +84,12 @@ class Settings(BaseSettings):
         "Fold each layer's RMSNorm weights into the QKV and gate/up weights at start-up, so "
         "batches up to 6 Mi residual elements run two norm kernels fewer per layer. Ignored for "
         "float16 models."))
+    quantization: Literal["none", "fp8"] = Field("none", description=(
+        "`fp8`: every layer's projections in FP8 e4m3 (per-output-channel weight scales, "
+        "per-token dynamic activation scales), quantized at start-up after the norm fold; "
+        "embedding and LM head stay. FP8 checkpoints (compressed-tensors float-quantized, "
+        "fp8 with 128 × 128 blocks) load as published whatever this says. FP8 runs on the "
+        "CPU reference path; on a GPU it is refused at start-up until the FP8 kernels land."))
     attention_hopper_kernel: bool = Field(True, description=(
         "On Hopper GPUs, prefix-free batches of at least 1,024 tokens run through the "
         "warp-specialized Gluon attention kernel where it is the faster (head_dim 128: sequences "
@@ -215,6 +221,7 @@ class EngineConfig:
     cuda_graph_full_max_tokens: int = 1024
     cuda_graph_full_max_seqs: int = 8
     fold_norms: bool = True
+    quantization: str = "none"  # "none" | "fp8"
     attention_hopper_kernel: bool = True
     cpu_threads: int = 0  # 0: leave torch's own choice
 

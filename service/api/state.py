@@ -104,6 +104,7 @@ class AppState:
         out.update({
             "model_preset": cfg.model_preset,
             "architecture": info.architecture,
+            "quantization": info.quantization,
             "vocab_size": info.vocab_size,
             "device_name": info.device_name,
             "load_seconds": round(info.load_seconds, 3),

@@ -33,6 +33,8 @@ from service.engine.runners.breakable import BreakableRunner
 from service.engine.runners.eager import EagerRunner
 from service.engine.runners.full import FullGraphRunner
 from service.engine.sampling import LastRow, named_rows, summarize, unpack
+from service.model.errors import ModelLoadError
+from service.model.fp8 import precision, quantize_model
 from service.model.loader import LoadedModel, load
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,14 @@ class EngineCore:
         self.model_path = str(loaded.path)
         if cfg.fold_norms and dp_group is None and self.dtype != torch.float16:
             self.model.fold_norms()
+        if cfg.quantization == "fp8":
+            quantize_model(self.model)  # after the fold: the folded products are quantized
+        self.precision = precision(self.model)
+        if cuda and self.precision != "none":
+            raise ModelLoadError(f"{self.model_path}: {self.precision} runs on the CPU reference "
+                                 "path only in this version (no FP8 GPU kernels yet); serve it "
+                                 "with DEVICE=cpu, or set QUANTIZATION=none for a bf16 "
+                                 "checkpoint")
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         # On the CPU a launch runs the whole forward: nothing to overlap with the next one
         self.synchronous = not cuda
@@ -205,7 +215,8 @@ class EngineCore:
                           kv_bytes_per_token=per_token,
                           windowed_kv_bytes_per_token=(
                               per_token * c.num_windowed_layers // c.num_layers
-                              if c.num_layers else 0))
+                              if c.num_layers else 0),
+                          quantization=self.precision)
 
     @property
     def max_batch_tokens(self) -> int:

@@ -156,6 +156,7 @@ class EngineInfo:
     device_name: str = "cpu"
     kv_bytes_per_token: int = 0  # K and V of every layer, windowed layers included
     windowed_kv_bytes_per_token: int = 0  # the windowed (sliding-attention) layers' share
+    quantization: str = "none"  # the projections' precision when not the model's dtype
 
 
 @dataclass(frozen=True)

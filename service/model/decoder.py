@@ -179,7 +179,10 @@ class DecoderModel(nn.Module):
         return self.cos_sin_local if self.layers[layer].rope else self.cos_sin
 
     def fold_norms(self) -> None:
-        if self.norms_folded or self.cfg.sandwich_norms:
+        """Fold every layer's norms; not sandwich norms, nor into weights already quantized
+        (an e4m3 weight times a norm weight is no longer e4m3: fold first, then quantize)."""
+        quantized = any(not isinstance(layer.qkv_proj, nn.Linear) for layer in self.layers)
+        if self.norms_folded or self.cfg.sandwich_norms or quantized:
             return
         with torch.no_grad():
             for layer in self.layers:

@@ -28,9 +28,12 @@ class RMSNorm(nn.Module):
                                       use_triton=self.use_triton)
 
 
-def linear(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None, *,
+def linear(x: torch.Tensor, lin: nn.Module, out: torch.Tensor | None = None, *,
            accumulate: bool = False, bias: bool = True) -> torch.Tensor:
-    """`lin(x)`, optionally into `out`; `accumulate`: out += x @ W^T (no bias)."""
+    """`lin(x)`, optionally into `out`; `accumulate`: out += x @ W^T (no bias). `lin` is an
+    nn.Linear or a quantized projection with the same `matmul` contract (service/model/fp8.py)."""
+    if not isinstance(lin, nn.Linear):
+        return lin.matmul(x, out, accumulate=accumulate, bias=bias)
     if accumulate:
         assert out is not None and lin.bias is None, "accumulate into an out, without a bias"
         return out.addmm_(x, lin.weight.t())

@@ -10,6 +10,7 @@ import torch
 from service.model.decoder import DecoderModel
 from service.model.errors import ModelLoadError
 from service.model.families import Family, family
+from service.model.fp8_checkpoint import Fp8Scheme, fused_fp8
 
 
 def _take(tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...],
@@ -31,8 +32,10 @@ def _prefix(fam: Family, tensors: Mapping[str, torch.Tensor], where: str) -> str
 
 
 @torch.no_grad()
-def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], where: str) -> None:
-    """`tensors` use the checkpoint's names (model.layers.N.self_attn.q_proj.weight, ...)."""
+def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], where: str,
+                  fp8: Fp8Scheme | None = None) -> None:
+    """`tensors` use the checkpoint's names (model.layers.N.self_attn.q_proj.weight, ...);
+    with an `fp8` scheme the projections it covers become Fp8Linear, as the checkpoint has them."""
     c = model.cfg
     fam = family(c.arch)
     h, f, qs, kvs, d = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.head_dim
@@ -40,7 +43,26 @@ def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], wher
 
     def put(param: torch.Tensor, *parts: torch.Tensor) -> None:
         src = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        if src.element_size() == 1:  # an FP8 tensor needs its scales: never cast alone
+            raise ModelLoadError(f"{where}: a {src.dtype} tensor outside an FP8 scheme "
+                                 "(config.json has no quantization_config covering it)")
         param.copy_(src.to(param.dtype))
+
+    def projection(owner: torch.nn.Module, attr: str, parts: list[str],
+                   shapes: list[tuple[int, int]], bias: list[str] | None = None) -> None:
+        """owner.attr from the stacked checkpoint modules `parts` (FP8 where the scheme says)."""
+        b = None if bias is None else [_take(tensors, f"{n}.bias", (r,), where)
+                                        for n, (r, _) in zip(bias, shapes)]
+        if fp8 is not None and not any(fp8.ignores(n) for n in parts):
+            lin = fused_fp8(tensors, fp8, parts, shapes, None if b is None else torch.cat(b),
+                            where)
+            setattr(owner, attr, lin.to(getattr(owner, attr).weight.device))
+            return
+        lin = getattr(owner, attr)
+        put(lin.weight, *(_take(tensors, f"{n}.weight", shape, where)
+                          for n, shape in zip(parts, shapes)))
+        if b is not None:
+            put(lin.bias, *b)
 
     def put_norm(param: torch.Tensor, name: str, size: int) -> None:
         w = _take(tensors, name, (size,), where)
@@ -53,21 +75,16 @@ def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], wher
         for ours, theirs in fam.norms.items():
             put_norm(getattr(layer, ours).weight, f"{p}{theirs}.weight", h)
         a = p + "self_attn."
-        put(layer.qkv_proj.weight, _take(tensors, a + "q_proj.weight", (qs, h), where),
-            _take(tensors, a + "k_proj.weight", (kvs, h), where),
-            _take(tensors, a + "v_proj.weight", (kvs, h), where))
-        if c.qkv_bias:
-            put(layer.qkv_proj.bias, _take(tensors, a + "q_proj.bias", (qs,), where),
-                _take(tensors, a + "k_proj.bias", (kvs,), where),
-                _take(tensors, a + "v_proj.bias", (kvs,), where))
+        qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
+        projection(layer, "qkv_proj", qkv, [(qs, h), (kvs, h), (kvs, h)],
+                   qkv if c.qkv_bias else None)
         if c.qk_norm:
             put_norm(layer.q_norm.weight, a + "q_norm.weight", d)
             put_norm(layer.k_norm.weight, a + "k_norm.weight", d)
-        put(layer.o_proj.weight, _take(tensors, a + "o_proj.weight", (h, qs), where))
+        projection(layer, "o_proj", [a + "o_proj"], [(h, qs)])
         m = p + "mlp."
-        put(layer.mlp.gate_up_proj.weight, _take(tensors, m + "gate_proj.weight", (f, h), where),
-            _take(tensors, m + "up_proj.weight", (f, h), where))
-        put(layer.mlp.down_proj.weight, _take(tensors, m + "down_proj.weight", (h, f), where))
+        projection(layer.mlp, "gate_up_proj", [m + "gate_proj", m + "up_proj"], [(f, h), (f, h)])
+        projection(layer.mlp, "down_proj", [m + "down_proj"], [(h, f)])
     put_norm(model.norm.weight, pre + "norm.weight", h)
     if model.lm_head is not None:
         put(model.lm_head.weight, _take(tensors, "lm_head.weight", (c.vocab_size, h), where))
