@@ -107,8 +107,8 @@ class Fp8Linear(nn.Module):
     def describe(self) -> str:
         acts = "static per tensor" if self.input_scale is not None else (
             "per 128-column group" if self.block else "per token")
-        return f"fp8 e4m3, weights per {'128x128 block' if self.block else 'channel'}, " \
-               f"activations {acts}"
+        weights = "128x128 block" if self.block else "channel"
+        return f"fp8 e4m3, weights per {weights}, activations {acts}"
 
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 values (tests and folding checks)."""

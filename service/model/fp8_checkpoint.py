@@ -25,9 +25,6 @@ class Fp8Scheme:
     scale_name: str  # the weight scale's tensor suffix
     ignore: tuple[str, ...] = ()  # modules kept in high precision: names or "re:" patterns
 
-    def describe(self) -> str:
-        return f"fp8 (weights per {self.weights}, activations per {self.activations})"
-
     def ignores(self, module: str) -> bool:
         return any(re.fullmatch(p[3:], module) if p.startswith("re:") else p == module
                    for p in self.ignore)
