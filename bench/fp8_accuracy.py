@@ -105,7 +105,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20 * WINDOW)
     ap.add_argument("--prompts", type=int, default=512)
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     models, tok = variants()
     text, used = corpus()
     ids = tok.encode(text)[: args.tokens]

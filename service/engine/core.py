@@ -207,15 +207,12 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         c, size = self.model_cfg, self.dtype.itemsize
-        per_token = c.kv_bytes_per_token(size)
         return EngineInfo(self.model_path, c.arch, c.vocab_size, self.model.max_positions,
                           self.pool.page_size, self.pool.capacity_tokens, self.memory,
                           device_name=(torch.cuda.get_device_name(self.device)
                                        if self.device.type == "cuda" else "cpu"),
-                          kv_bytes_per_token=per_token,
-                          windowed_kv_bytes_per_token=(
-                              per_token * c.num_windowed_layers // c.num_layers
-                              if c.num_layers else 0),
+                          kv_bytes_per_token=c.kv_bytes_per_token(size),
+                          windowed_kv_bytes_per_token=c.kv_bytes_per_token(size, True),
                           quantization=self.precision)
 
     @property

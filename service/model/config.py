@@ -87,10 +87,12 @@ class ModelConfig:
     def num_windowed_layers(self) -> int:
         return sum(1 for w in self.windows if w)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of every layer for one token: layers × 2 × kv_heads × head_dim × bytes.
-        Windowed layers keep every token too (the pool has one layout for all layers)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, windowed_only: bool = False) -> int:
+        """K and V of every layer (or of the windowed ones) for one token: layers × 2 ×
+        kv_heads × head_dim × bytes. Windowed layers keep every token too (the pool has one
+        layout for all layers)."""
+        layers = self.num_windowed_layers if windowed_only else self.num_layers
+        return layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def num_params(self, include_embedding: bool = True) -> int:
         h, f = self.hidden_size, self.intermediate_size

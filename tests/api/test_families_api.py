@@ -138,3 +138,13 @@ def test_prefill_matches_transformers_then_over_the_prefix_cache(served) -> None
     res = post(served.app, "/v1/prefill", input_ids=again, **body)["results"][0]
     assert res["cached_tokens"] == 36
     check_result(res, again, served.ref, prompt_logprobs=False)
+
+
+def test_info_reports_kv_bytes_per_token_and_the_windowed_share(served) -> None:
+    """The tiny checkpoints in fp32: 2 KV heads x 32 dims x K and V x 4 bytes a layer; Qwen3's
+    3 layers, Gemma 3's 6 of which 4 are windowed."""
+    kv = served.app.get("/info").json()["kv"]
+    layer = 2 * 32 * 2 * 4
+    layers, windowed = (6, 4) if served.app.scheduler.info.architecture == "gemma3" else (3, 0)
+    assert kv["bytes_per_token"] == layers * layer
+    assert kv["windowed_layers_bytes_per_token"] == windowed * layer

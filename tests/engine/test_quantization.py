@@ -4,7 +4,6 @@ the unquantized model; a GPU engine refuses FP8 until its kernels exist."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from service.engine.core import EngineCore
 from service.model.errors import ModelLoadError

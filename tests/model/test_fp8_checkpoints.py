@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from service.model.errors import ModelLoadError
 from service.model.fp8 import E4M3, Fp8Linear, dequantize, quantize_blocks, quantize_rows
@@ -77,10 +77,7 @@ def write_fp8(path: Path, model, qc: dict, inputs: dict[str, float] | None = Non
             if inputs is not None:
                 tensors[module + ".input_scale"] = torch.tensor([inputs[module.rsplit(".", 1)[1]]])
         tensors[name] = q
-        deq[name] = dequantize(q, tensors.get(module + ".weight_scale_inv",
-                                              tensors.get(module + ".weight_scale")).squeeze(-1)
-                               if qc.get("quant_method") != "fp8" else
-                               tensors[module + ".weight_scale_inv"])
+        deq[name] = dequantize(q, s)
     save_file(tensors, str(path / "model.safetensors"))
     raw = model.config.to_dict() | {"quantization_config": qc,
                                     "architectures": ["LlamaForCausalLM"]}
@@ -106,8 +103,7 @@ def test_fp8_checkpoint_loads_as_published(tmp_path, qc, inputs):
     ref = base_model()
     deq = write_fp8(tmp_path / "ckpt", ref, qc, inputs)
     ours = load_model(tmp_path / "ckpt", "cpu", torch.float32)
-    raw = dict(__import__("safetensors.torch", fromlist=["load_file"]).load_file(
-        str(tmp_path / "ckpt" / "model.safetensors")))
+    raw = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     layer = ours.model.layers[1]
     qkv = layer.qkv_proj
     assert isinstance(qkv, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)

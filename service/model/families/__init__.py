@@ -39,7 +39,7 @@ def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConf
     for f in FAMILIES.values():
         if any(a in f.architectures for a in archs) or (
                 not archs and raw.get("model_type") in f.model_types):
-            return f.from_hf(HFConfig(raw, where))
+            return ModelConfig(**{**f.from_hf(HFConfig(raw, where)), **f.traits})
     raise UnsupportedArchitecture(
         f"{where}: unsupported architecture {archs or raw.get('model_type')!r}; supported: "
         f"{supported()}")
@@ -66,4 +66,6 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
 
 def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """config.json of a checkpoint of `cfg`'s shape (its family's mapping, inverted)."""
-    return family(cfg.arch).to_hf(cfg)
+    f = family(cfg.arch)
+    return {"architectures": [f.architectures[0]], "model_type": f.model_types[0],
+            **f.to_hf(cfg)}

@@ -18,9 +18,11 @@ class Family:
     architectures: tuple[str, ...]  # config.json `architectures` entries this family serves
     model_types: tuple[str, ...]  # config.json `model_type` values (when architectures is absent)
     describe: str  # the checkpoints it covers, for error messages and the README
-    from_hf: Callable[[HFConfig], ModelConfig]
-    # config.json of a checkpoint of this shape: transformers' twin in tests and benchmarks
-    to_hf: Callable[[ModelConfig], dict[str, Any]]
+    # ModelConfig fields of a config.json, `traits` aside (the registry adds them)
+    from_hf: Callable[[HFConfig], dict[str, Any]]
+    # config.json fields of a checkpoint of this shape, architectures and model_type aside (the
+    # registry adds them): transformers' twin in tests and benchmarks
+    to_hf: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: base_hf(cfg)
     norms: dict[str, str] = field(default_factory=lambda: dict(LLAMA_NORMS))
     norm_offset: float = 0.0  # checkpoint norm weights w scale by (norm_offset + w)
     prefixes: tuple[str, ...] = ("model.",)  # where the decoder's tensors sit in the checkpoint

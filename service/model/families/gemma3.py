@@ -21,7 +21,7 @@ TEXT_DEFAULTS = dict(
     bos_token_id=2, eos_token_id=1)
 
 
-def from_hf(c: HFConfig) -> ModelConfig:
+def from_hf(c: HFConfig) -> dict[str, Any]:
     raw = c.raw
     if isinstance(raw.get("text_config"), dict):  # the multimodal checkpoint's text tower
         raw = {**{k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw},
@@ -46,9 +46,8 @@ def from_hf(c: HFConfig) -> ModelConfig:
         c.refuse("rope scaling on the sliding-window layers")
     if c.get("rope_parameters") is None:
         local_theta = float(c.get("rope_local_base_freq", 10000.0))
-    return ModelConfig(
-        **kw, qk_norm=True, sandwich_norms=True, activation="gelu_tanh",
-        embed_scale=kw["hidden_size"] ** 0.5,
+    return dict(
+        **kw, embed_scale=kw["hidden_size"] ** 0.5,
         attn_scale=float(c.get("query_pre_attn_scalar", kw["head_dim"])) ** -0.5,
         windows=c.layer_windows(layers), local_rope_theta=local_theta,
         final_logit_softcap=c.get("final_logit_softcapping"))
@@ -57,8 +56,7 @@ def from_hf(c: HFConfig) -> ModelConfig:
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     d = base_hf(cfg)
     windows = [w for w in cfg.windows if w]
-    d.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-             hidden_activation="gelu_pytorch_tanh",
+    d.update(hidden_activation="gelu_pytorch_tanh",
              query_pre_attn_scalar=round(cfg.softmax_scale ** -2),
              sliding_window=windows[0] if windows else None,
              layer_types=["sliding_attention" if cfg.window(i) else "full_attention"

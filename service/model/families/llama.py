@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from service.model.config import HFConfig, ModelConfig
-from service.model.families.base import Family, base_hf
-
-
-def from_hf(c: HFConfig) -> ModelConfig:
-    return ModelConfig(**c.common("llama"))
-
-
-def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **base_hf(cfg)}
-
+from service.model.families.base import Family
 
 LLAMA3_8K = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
              "original_max_position_embeddings": 8192}
@@ -24,8 +12,7 @@ FAMILY = Family(
     architectures=("LlamaForCausalLM",),
     model_types=("llama",),
     describe="Llama 2/3, SmolLM/SmolLM2",
-    from_hf=from_hf,
-    to_hf=to_hf,
+    from_hf=lambda c: c.common("llama"),
     gguf_arch="llama",
     gguf_permuted_qk=True,
     presets={

@@ -8,16 +8,16 @@ from service.model.config import HFConfig, ModelConfig
 from service.model.families.base import Family, base_hf
 
 
-def from_hf(c: HFConfig) -> ModelConfig:
+def from_hf(c: HFConfig) -> dict[str, Any]:
     if c.get("use_sliding_window", False):
         c.refuse("use_sliding_window: true")
-    return ModelConfig(**{**c.common("qwen2", eps_default=1e-6), "qkv_bias": True})
+    return c.common("qwen2", eps_default=1e-6)
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     d = base_hf(cfg)
     d.pop("attention_bias")  # Qwen2 always has the bias
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **d}
+    return d
 
 
 FAMILY = Family(

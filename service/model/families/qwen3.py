@@ -5,18 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.model.config import HFConfig, ModelConfig
-from service.model.families.base import Family, base_hf
+from service.model.config import HFConfig
+from service.model.families.base import Family
 
 
-def from_hf(c: HFConfig) -> ModelConfig:
+def from_hf(c: HFConfig) -> dict[str, Any]:
     if c.get("use_sliding_window", False):  # no published Qwen3 checkpoint sets it
         c.refuse("use_sliding_window: true")
-    return ModelConfig(**c.common("qwen3", eps_default=1e-6), qk_norm=True)
-
-
-def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **base_hf(cfg)}
+    return c.common("qwen3", eps_default=1e-6)
 
 
 FAMILY = Family(
@@ -25,7 +21,6 @@ FAMILY = Family(
     model_types=("qwen3",),
     describe="Qwen3 dense 0.6B-32B, Qwen3-Reranker/Embedding bases",
     from_hf=from_hf,
-    to_hf=to_hf,
     gguf_arch="qwen3",
     traits=dict(qk_norm=True),
     presets={
