@@ -19,8 +19,12 @@ kernel and after the last), so what separates ours from the bound is measured, n
 Windowed layers (Gemma 3's local layers) count the faster of our windowed kernel and the best
 causal attention.
 
+With --fp8 the projections count the FP8 GEMM with row-wise scales and fp32 sums
+(torch._scaled_mm: the scheme QUANTIZATION=fp8 serves) instead of bf16, the bf16 bound stays
+beside it, and ours runs with QUANTIZATION=fp8 (ours-graph-fp8).
+
 Usage: python bench/bound.py [--models qwen2.5-0.5b,smollm2-135m,llama-3.2-1b] [--skip-ours]
-                             [--breakdown]
+                             [--breakdown] [--fp8]
 Writes bound.{json,md} to $OUT (default bench/results).
 """
 
@@ -40,6 +44,7 @@ from bench.common import graph_us, markdown_table, out_dir, run_meta, write_resu
 from bench.e2e import flops, gemm_ceiling, hf_model, run_hf, run_ours  # noqa: E402
 from kernels import extend_attention_sm90 as sm90  # noqa: E402
 from kernels.extend_attention import VarlenBatch, extend_attention  # noqa: E402
+from kernels.quant_fp8 import quantize_ref  # noqa: E402
 from service.model.config import ModelConfig  # noqa: E402
 from service.model.families import preset  # noqa: E402
 from service.model.loader import LoadedModel, random_model  # noqa: E402
@@ -50,11 +55,29 @@ ROWS = 8192
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 
 
+def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(K, N) per projection."""
+    h, f = c.hidden_size, c.intermediate_size
+    return {"qkv": (h, c.q_size + 2 * c.kv_size), "o": (c.q_size, h), "gate_up": (h, 2 * f),
+            "down": (f, h)}
+
+
+def fp8_gemm_us(c: ModelConfig) -> dict[str, float]:
+    """Per projection: the row-wise FP8 GEMM with fp32 sums at ROWS rows (us): cuBLASLt's
+    (bench/fp8_gemm.py: the fastest such GEMM at hand)."""
+    out = {}
+    for name, (k, n) in projection_shapes(c).items():
+        a, sa = quantize_ref(torch.randn(ROWS, k, device="cuda"))
+        w, sw = quantize_ref(torch.randn(n, k, device="cuda") / k**0.5)
+        y = torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16)
+        out[name] = graph_us(lambda a=a, sa=sa, w=w, sw=sw, y=y: torch._scaled_mm(
+            a, w.t(), scale_a=sa[:, None], scale_b=sw[None, :], out_dtype=y.dtype, out=y))
+    return out
+
+
 def gemm_us(c: ModelConfig) -> dict[str, float]:
     """Per projection: the faster of cuBLAS and cuBLASLt at ROWS rows (us)."""
-    h, f = c.hidden_size, c.intermediate_size
-    shapes = {"qkv": (h, c.q_size + 2 * c.kv_size), "o": (c.q_size, h), "gate_up": (h, 2 * f),
-              "down": (f, h)}
+    shapes = projection_shapes(c)
     out = {}
     default = torch.backends.cuda.preferred_blas_library()
     try:
@@ -117,12 +140,14 @@ def main() -> None:
     ap.add_argument("--models", default="qwen2.5-0.5b,smollm2-135m,llama-3.2-1b")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
     meta = run_meta() | {"gemm_ceiling_tflops": gemm_ceiling()}
     rows, table, split = [], [], []
     for name in args.models.split(","):
         cfg = preset(name)
-        gemms = gemm_us(cfg)
+        gemms = fp8_gemm_us(cfg) if args.fp8 else gemm_us(cfg)
+        bf16_gemm_ms = cfg.num_layers * sum(gemm_us(cfg).values()) / 1e3 if args.fp8 else None
         gen = torch.Generator().manual_seed(0)
         model = random_model(cfg, "cuda", torch.bfloat16, seed=0)
         hf = hf_model(cfg)
@@ -132,7 +157,8 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         ours = {} if args.skip_ours else run_ours(
-            LoadedModel(model, None, cfg, Path(name), 0.0), "ours-graph", gen,
+            LoadedModel(model, None, cfg, Path(name), 0.0),
+            "ours-graph-fp8" if args.fp8 else "ours-graph", gen,
             SHAPES if args.breakdown else ())
         for bs, s in SHAPES:
             attn = attention_us(cfg, bs, s)
@@ -147,12 +173,15 @@ def main() -> None:
             attn_ms = ((cfg.num_layers - local) * best + local * best_local) / 1e3
             bound_ms = cfg.num_layers * sum(gemms.values()) / 1e3 + attn_ms
             key = f"{bs}x{s}"
-            r = dict(model=name, shape=key, gemm_us=gemms, attention_us=attn,
+            r = dict(model=name, shape=key, precision="fp8" if args.fp8 else "bf16",
+                     gemm_us=gemms, attention_us=attn,
                      bound_ms=bound_ms, bound_tok_s=ROWS / bound_ms * 1e3,
                      bound_mfu=flops(cfg, bs, s) / (bound_ms / 1e3) / 1e12
                      / meta["gemm_ceiling_tflops"],
                      hf_ms=hf_ms[key]["ms"], hf_tok_s=ROWS / hf_ms[key]["ms"] * 1e3,
                      ours_ms=ours.get(key, {}).get("ms"))
+            if bf16_gemm_ms is not None:
+                r["bf16_bound_tok_s"] = ROWS / (bf16_gemm_ms + attn_ms) * 1e3
             r["ours_tok_s"] = ROWS / r["ours_ms"] * 1e3 if r["ours_ms"] else None
             ahead = ours.get(key, {}).get("ahead_ms")
             r["ours_ahead_tok_s"] = ROWS / ahead * 1e3 if ahead else None
@@ -180,12 +209,15 @@ def main() -> None:
                           r["ours_ahead_tok_s"] / r["bound_tok_s"] if r["ours_ahead_tok_s"]
                           else None,
                           r["bound_over_hf"],
-                          r["ours_tok_s"] / r["hf_tok_s"] if r["ours_tok_s"] else None])
+                          r["ours_tok_s"] / r["hf_tok_s"] if r["ours_tok_s"] else None]
+                         + ([r["bf16_bound_tok_s"]] if args.fp8 else []))
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    md = ("Lower bound of an 8,192-token prefill = layers x (four projections at the faster "
-          "BLAS + the fastest causal attention); nothing else counted. tok/s at that bound "
+    gemm_kind = ("the row-wise FP8 GEMM (torch._scaled_mm, fp32 sums); ours with "
+                 "QUANTIZATION=fp8" if args.fp8 else "the faster BLAS")
+    md = (f"Lower bound of an 8,192-token prefill = layers x (four projections at {gemm_kind} "
+          "+ the fastest causal attention); nothing else counted. tok/s at that bound "
           "against transformers' and ours in the same run. `bound / hf`: the largest speed-up "
           "over transformers any implementation with these kernels could reach.\n\n"
           f"GEMM ceiling (8192^3 bf16): {meta['gemm_ceiling_tflops']:.0f} TFLOP/s\n\n"
@@ -195,7 +227,8 @@ def main() -> None:
           + markdown_table(["model", "shape", "GEMMs ms", "attention ms", "fastest attention",
                             "bound tok/s", "bound MFU", "hf tok/s", "ours tok/s", "ours / bound",
                             "ours, launched ahead, tok/s", "launched ahead / bound",
-                            "bound / hf", "ours / hf"], table))
+                            "bound / hf", "ours / hf"]
+                           + (["bf16 bound tok/s"] if args.fp8 else []), table))
     if split:
         md += ("\n\nWhere ours' time goes (one profiled forward per shape; the profiler adds "
                "host time, so its wall exceeds the timed median): kernel time by class against "

@@ -6,6 +6,8 @@ One run, random weights of real shapes (bf16), same weights for every path:
   ours-breakable  the same with breakable graphs only (CUDA_GRAPH_FULL_MAX_TOKENS=0)
   ours-graph-unfolded  ours-graph with FOLD_NORMS=false (the norm kernels kept; run on a copy
                of the weights taken before any variant folds them)
+  ours-graph-fp8  ours-graph with QUANTIZATION=fp8 (per-channel e4m3 weights, per-token
+               activations; on a copy of the weights taken before any variant folds them)
   ours-eager   Triton kernels, no graphs
   ours-refattn no graphs, PyTorch reference attention (per-sequence SDPA) + Triton dense kernels
   hf-sdpa      transformers (sdpa attention), LM head on the last token only
@@ -113,13 +115,14 @@ def timed_ahead(engine: EngineCore, chunks: list[SeqChunk], forwards: int) -> fl
 
 
 def engine_cfg(graphs: bool, page_size: int = 16, full: bool = True,
-               fold: bool = True) -> EngineConfig:
+               fold: bool = True, quantization: str = "none") -> EngineConfig:
     return EngineConfig(model_path=None, device="cuda", dtype="bfloat16",
                         mem_fraction_static=0.70, max_prefill_tokens=8192,
                         cuda_graph_max_tokens=8192 if graphs else 0, cuda_graph_buckets=None,
                         page_size=page_size, max_prompt_tokens=32768, max_queue_requests=256,
                         max_batch_prompts=256, kv_cache_bytes=1 << 28,
-                        cuda_graph_full_max_tokens=1024 if full else 0, fold_norms=fold)
+                        cuda_graph_full_max_tokens=1024 if full else 0, fold_norms=fold,
+                        quantization=quantization)
 
 
 def _time_cases(engine: EngineCore, cfg: ModelConfig, gen: torch.Generator,
@@ -147,10 +150,11 @@ def run_ours(loaded: LoadedModel, variant: str, gen: torch.Generator,
              profiled: tuple[tuple[int, int], ...] = ()) -> dict:
     cfg, model = loaded.cfg, loaded.model
     model.attn = AttentionBackend("torch" if variant == "ours-refattn" else "triton", cfg)
-    unfolded = variant == "ours-graph-unfolded"
-    assert not (unfolded and model.norms_folded), "the unfolded variant needs unfolded weights"
+    unfolded = variant in ("ours-graph-unfolded", "ours-graph-fp8")
+    assert not (unfolded and model.norms_folded), f"{variant} needs unfolded weights"
     engine = EngineCore(engine_cfg(graphs=variant.startswith(("ours-graph", "ours-breakable")),
-                                   full=variant != "ours-breakable", fold=not unfolded),
+                                   full=variant != "ours-breakable", fold=not unfolded,
+                                   quantization="fp8" if variant.endswith("fp8") else "none"),
                         loaded=loaded)
     try:
         out = _time_cases(engine, cfg, gen, profiled)
@@ -273,15 +277,15 @@ def main() -> None:
         if hf is not None:
             load_hf_state(model, hf.state_dict(), f"hf:{name}")  # the same weights
         loaded = LoadedModel(model, None, cfg, Path(name), 0.0)
-        unfolded = (dataclasses.replace(loaded, model=copy.deepcopy(model))
-                    if "ours-graph-unfolded" in variants else None)  # before any fold
+        copies = {v: dataclasses.replace(loaded, model=copy.deepcopy(model))
+                  for v in ("ours-graph-unfolded", "ours-graph-fp8") if v in variants}
         per = {}
-        for v in variants:
+        for v in variants:  # the copies, taken before any fold; fp8 quantizes its own
             t0 = time.perf_counter()
             if v == "hf-sdpa":
                 per[v] = run_hf(hf, cfg, gen)
             else:
-                per[v] = run_ours(unfolded if v == "ours-graph-unfolded" else loaded, v, gen)
+                per[v] = run_ours(copies.pop(v, loaded), v, gen)
             print(f"{name} {v}: {per[v]} ({time.perf_counter() - t0:.0f}s)", flush=True)
         if args.profile and name in ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"):
             engine = EngineCore(engine_cfg(True), loaded=loaded)
@@ -305,7 +309,7 @@ def main() -> None:
                               mode=per[v][key]["mode"])
             results["rows"].append(row)
         results.setdefault("memory", {})[name] = per.get("ours-graph", {}).get("_memory")
-        del hf, model, loaded, unfolded
+        del hf, model, loaded, copies
         gc.collect()
         torch.cuda.empty_cache()
 

@@ -5,7 +5,9 @@ Per preset: weights, capture memory, KV pool bytes and tokens, KV bytes per toke
 windowed layers' share of it (Gemma 3's sliding-window layers keep every token in the pool), the
 tokens a window-sized pool for those layers would hold in the same bytes, and readiness time.
 
-Usage: [MODEL_PATH=<a tokenizer's checkpoint>] python bench/sizing.py [--models a,b,...]
+A model given as `name:fp8` runs with QUANTIZATION=fp8 (weights e4m3, the pool sized after).
+
+Usage: [MODEL_PATH=<a tokenizer's checkpoint>] python bench/sizing.py [--models a,b:fp8,...]
 Writes sizing.{json,md} to $OUT (default bench/results).
 """
 
@@ -37,14 +39,17 @@ def measure(name: str) -> dict:
     from service.engine.core import EngineCore
 
     t0 = time.perf_counter()
-    settings = load_settings({**os.environ, "MODEL_PRESET": name})
+    preset_name, _, quantization = name.partition(":")
+    settings = load_settings({**os.environ, "MODEL_PRESET": preset_name,
+                              "QUANTIZATION": quantization or "none"})
     eng_cfg, _ = resolve(settings, torch.cuda.is_available())
     engine = EngineCore(eng_cfg)
     ready_s = time.perf_counter() - t0
     info = engine.info()
     c = engine.model_cfg
     engine.close()
-    return dict(model=name, ready_s=ready_s, memory=dataclasses.asdict(info.memory),
+    return dict(model=name, quantization=info.quantization, ready_s=ready_s,
+                memory=dataclasses.asdict(info.memory),
                 kv_tokens=info.kv_capacity_tokens, kv_bytes_per_token=info.kv_bytes_per_token,
                 windowed_kv_bytes_per_token=info.windowed_kv_bytes_per_token,
                 layers=c.num_layers, windowed_layers=c.num_windowed_layers,
@@ -79,7 +84,8 @@ def main() -> None:
                       f"{r['windowed_layers']}/{r['layers']}" if r["windowed_layers"] else "0",
                       r["tokens_if_windowed_pool"] or "—", r["ready_s"]])
         print(r, flush=True)
-    md = ("Start-up sizing, default settings, random weights of each shape (bf16).\n\n"
+    md = ("Start-up sizing, default settings, random weights of each shape (bf16; a `:fp8` "
+          "row quantized at load, QUANTIZATION=fp8).\n\n"
           "`window-sized pool`: tokens the same KV bytes would hold if each windowed layer kept "
           "only its window (the global layers' bytes per token alone; the windows' own pages, "
           "window × prompts in flight, are left out).\n\n"

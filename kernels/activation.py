@@ -13,6 +13,16 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @triton.jit
+def activate(gate, ACTIVATION: tl.constexpr):
+    """SiLU or GeLU-tanh of an fp32 tensor."""
+    if ACTIVATION == "gelu_tanh":
+        # 0.5 * (1 + tanh(z)) = sigmoid(2z): no tanh needed, and exp's overflow gives 0 or 1
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) * ...
+        return gate / (1.0 + tl.exp(-2.0 * z))
+    return gate / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
 def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -42,13 +52,7 @@ def _act_and_mul_kernel(
         if NORM:
             gate *= scale
             up *= scale
-        if ACTIVATION == "gelu_tanh":
-            # 0.5 * (1 + tanh(z)) = sigmoid(2z): no tanh needed, and exp's overflow gives 0 or 1
-            z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) * ...
-            act = gate / (1.0 + tl.exp(-2.0 * z))
-        else:
-            act = gate / (1.0 + tl.exp(-gate))
-        y = act * up
+        y = activate(gate, ACTIVATION) * up
         tl.store(out_ptr + row * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

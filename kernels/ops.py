@@ -12,6 +12,7 @@ from torch.library import triton_op, wrap_triton
 from kernels import activation as act
 from kernels import extend_attention as attn
 from kernels import kv_store, logits_summary, rope
+from kernels import quant_fp8 as q8
 from kernels import rms_norm as norm
 from kernels._triton import HAS_TRITON
 from kernels.varlen import VarlenBatch
@@ -72,6 +73,21 @@ def _apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor,
 def _act_and_mul(x: Tensor, out: Tensor, activation: str = "silu",
                  norm_rows: Tensor | None = None, eps: float = 0.0) -> None:
     act.act_and_mul(x, out, activation=activation, norm_rows=norm_rows, eps=eps, wrap=wrap_triton)
+
+
+@_kernel_op("quantize_fp8", {"out", "scale", "residual"}, q8.quantize_fp8_ref, q8.quantize_fp8)
+def _quantize_fp8(x: Tensor, out: Tensor, scale: Tensor, group: int = 0,
+                  static: Tensor | None = None, residual: Tensor | None = None,
+                  weight: Tensor | None = None, eps: float = 0.0) -> None:
+    q8.quantize_fp8(x, out, scale, group=group, static=static, residual=residual, weight=weight,
+                    eps=eps, wrap=wrap_triton)
+
+
+@_kernel_op("act_and_mul_fp8", {"out", "scale"}, q8.act_and_mul_fp8_ref, q8.act_and_mul_fp8)
+def _act_and_mul_fp8(x: Tensor, out: Tensor, scale: Tensor, activation: str = "silu",
+                     group: int = 0, static: Tensor | None = None) -> None:
+    q8.act_and_mul_fp8(x, out, scale, activation=activation, group=group, static=static,
+                       wrap=wrap_triton)
 
 
 @_kernel_op("store_kv", {"k_cache", "v_cache"}, kv_store.store_kv_ref, kv_store.store_kv)
@@ -142,6 +158,24 @@ def act_and_mul(x: Tensor, out: Tensor | None = None, use_triton: bool | None = 
     out = x.new_empty((x.shape[0], x.shape[1] // 2)) if out is None else out
     _act_and_mul(use_triton, x, out, activation=activation, norm_rows=norm_rows, eps=eps)
     return out
+
+
+def quantize_fp8(x: Tensor, out: Tensor, scale: Tensor, *, group: int = 0,
+                 static: Tensor | None = None, residual: Tensor | None = None,
+                 weight: Tensor | None = None, eps: float = 0.0,
+                 use_triton: bool | None = None) -> None:
+    """e4m3 rows into `out` and their scales into `scale`, optionally of the residual-added,
+    RMS-normed rows (kernels/quant_fp8.py)."""
+    _quantize_fp8(use_triton, x, out, scale, group=group, static=static, residual=residual,
+                  weight=weight, eps=eps)
+
+
+def act_and_mul_fp8(x: Tensor, out: Tensor, scale: Tensor, *, activation: str = "silu",
+                    group: int = 0, static: Tensor | None = None,
+                    use_triton: bool | None = None) -> None:
+    """act(x[:, :F]) * x[:, F:] as e4m3 rows and scales (kernels/quant_fp8.py)."""
+    _act_and_mul_fp8(use_triton, x, out, scale, activation=activation, group=group,
+                     static=static)
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,

@@ -86,10 +86,12 @@ class Settings(BaseSettings):
         "float16 models."))
     quantization: Literal["none", "fp8"] = Field("none", description=(
         "`fp8`: every layer's projections in FP8 e4m3 (per-output-channel weight scales, "
-        "per-token dynamic activation scales), quantized at start-up after the norm fold; "
-        "embedding and LM head stay. FP8 checkpoints (compressed-tensors float-quantized, "
-        "fp8 with 128 × 128 blocks) load as published whatever this says. FP8 runs on the "
-        "CPU reference path; on a GPU it is refused at start-up until the FP8 kernels land."))
+        "per-token dynamic activation scales, fp32 sums), quantized at start-up (norms stay "
+        "unfolded: each norm's launch writes the quantized rows); embedding and LM head stay. "
+        "Halves the projections' memory; the KV pool takes what is freed. FP8 checkpoints "
+        "(compressed-tensors float-quantized, fp8 with 128 × 128 blocks) load as published "
+        "whatever this says. GPU: Triton quantization kernels, cuBLASLt row-wise and Triton "
+        "block-scaled GEMMs, in the CUDA graphs; CPU: the exact PyTorch reference."))
     attention_hopper_kernel: bool = Field(True, description=(
         "On Hopper GPUs, prefix-free batches of at least 1,024 tokens run through the "
         "warp-specialized Gluon attention kernel where it is the faster (head_dim 128: sequences "

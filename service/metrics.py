@@ -64,6 +64,13 @@ CACHE_CONFIG_INFO = "prefill_cache_config_info"
 _CACHE_CONFIG_DOC = "KV pool: tokens per page (page_size) and pages prompts can hold (num_pages)."
 _CACHE_CONFIG_LABELS = ["page_size", "num_pages", "model_name"]
 
+# The model's precision as an info metric, from snapshot keys "dtype" and "quantization" ("none",
+# or the scheme of its FP8 projections, as /info reports it)
+MODEL_INFO = "prefill_model_info"
+_MODEL_INFO_DOC = ("The served model's precision: dtype (activations, KV pool) and quantization "
+                   "of its projections.")
+_MODEL_INFO_LABELS = ["dtype", "quantization", "model_name"]
+
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
             60.0)
 _POW2 = tuple(float(1 << i) for i in range(0, 18))  # 1 .. 131072
@@ -85,7 +92,7 @@ def use_slot(slot: int) -> None:
 
 
 class _Gauges(Collector):
-    def __init__(self, snapshot: dict[str, float], model_name: str):
+    def __init__(self, snapshot: dict[str, float | str], model_name: str):
         self._snapshot, self._model = snapshot, model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -99,11 +106,16 @@ class _Gauges(Collector):
             shape = [str(int(snap["page_size"])), str(int(snap["kv_pages"]))]
             info.add_metric([*shape, self._model], 1.0)
         yield info
+        model = GaugeMetricFamily(MODEL_INFO, _MODEL_INFO_DOC, labels=_MODEL_INFO_LABELS)
+        if "quantization" in snap:  # known once the engine has loaded the model
+            model.add_metric([str(snap["dtype"]), str(snap["quantization"]), self._model], 1.0)
+        yield model
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         for _, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, labels=["model_name"])
         yield GaugeMetricFamily(CACHE_CONFIG_INFO, _CACHE_CONFIG_DOC, labels=_CACHE_CONFIG_LABELS)
+        yield GaugeMetricFamily(MODEL_INFO, _MODEL_INFO_DOC, labels=_MODEL_INFO_LABELS)
 
 
 class Metrics:
@@ -177,7 +189,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def render(self, snapshot: dict[str, float]) -> bytes:
+    def render(self, snapshot: dict[str, float | str]) -> bytes:
         """The exposition text: every process's counters and histograms, and `snapshot`'s gauges."""
         registry = CollectorRegistry(auto_describe=True)
         path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

@@ -56,8 +56,8 @@ class AppState:
             return NotReady("server is draining (shutting down); retry on another replica")
         return self.engine.admission_error()
 
-    def snapshot(self, stats: EngineStats) -> dict[str, float]:
-        snap: dict[str, float] = {
+    def snapshot(self, stats: EngineStats) -> dict[str, float | str]:
+        snap: dict[str, float | str] = {
             "mem_fraction_static": self.engine_cfg.mem_fraction_static,
             "queue_requests": stats.queue_requests,
             "queue_limit_requests": self.engine_cfg.max_queue_requests,
@@ -76,7 +76,8 @@ class AppState:
                         page_size=info.page_size, kv_pages=pages_for(cap, info.page_size),
                         kv_bytes_per_token=info.kv_bytes_per_token,
                         kv_windowed_bytes_per_token=info.windowed_kv_bytes_per_token,
-                        graph_buckets=len(mem.buckets), mem_fraction_static=mem.mem_fraction_static)
+                        graph_buckets=len(mem.buckets), mem_fraction_static=mem.mem_fraction_static,
+                        dtype=self.engine_cfg.dtype, quantization=info.quantization)
         return snap
 
     def info(self, stats: EngineStats) -> dict:

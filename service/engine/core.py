@@ -102,16 +102,16 @@ class EngineCore:
         self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.model.attn.hopper = cfg.attention_hopper_kernel
         self.model_path = str(loaded.path)
-        if cfg.fold_norms and dp_group is None and self.dtype != torch.float16:
-            self.model.fold_norms()
         if cfg.quantization == "fp8":
-            quantize_model(self.model)  # after the fold: the folded products are quantized
+            quantize_model(self.model)  # the bf16 projections go: their memory joins the pool's
+            if cuda:
+                torch.cuda.empty_cache()
         self.precision = precision(self.model)
-        if cuda and self.precision != "none":
-            raise ModelLoadError(f"{self.model_path}: {self.precision} runs on the CPU reference "
-                                 "path only in this version (no FP8 GPU kernels yet); serve it "
-                                 "with DEVICE=cpu, or set QUANTIZATION=none for a bf16 "
-                                 "checkpoint")
+        if self.precision != "none" and dp_group is not None:
+            raise ModelLoadError(f"{self.model_path}: {self.precision} projections are not "
+                                 "sharded across data-parallel ranks")
+        if cfg.fold_norms and dp_group is None and self.dtype != torch.float16:
+            self.model.fold_norms()  # not quantized projections: their norms stay in kernels
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         # On the CPU a launch runs the whole forward: nothing to overlap with the next one
         self.synchronous = not cuda

@@ -140,7 +140,8 @@ class DPMLP(nn.Module):
         self.use_triton, self.activation = mlp.use_triton, mlp.activation
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                scratch: torch.Tensor | None = None) -> torch.Tensor:
+                scratch: torch.Tensor | None = None, q8: object = None) -> torch.Tensor:
+        assert q8 is None, "FP8 projections are not sharded across data-parallel ranks"
         dp = self.step.tokens
         assert dp is not None, "a sharded (DP) MLP runs inside a DPRunner step"
         n, w = x.shape[0], self.group.world

@@ -17,7 +17,8 @@ from kernels import ops
 from kernels.rope import rope_cos_sin_cache
 from service.model.attention import AttentionBackend
 from service.model.config import ModelConfig
-from service.model.layers import MLP, RMSNorm, linear
+from service.model.fp8 import Fp8Linear, Fp8Scratch, QuantizedRows
+from service.model.layers import MLP, RMSNorm, linear, normed_input
 from service.model.meta import ForwardMeta
 
 # Largest residual stream (rows x hidden elements) that runs without norm kernels when folded
@@ -36,6 +37,9 @@ class Activations:
     attn: torch.Tensor  # (n, q): out of attention
     # (<= n, 2F) gate|up rows; fewer than n: the MLP runs in row chunks; None: allocated
     mlp_scratch: torch.Tensor | None = None
+    # FP8 projections' quantized inputs: QKV, O and gate|up (n rows); down (an MLP chunk's)
+    q8: Fp8Scratch | None = None
+    q8_mlp: Fp8Scratch | None = None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -95,17 +99,17 @@ class DecoderLayer(nn.Module):
         return self.folded and rows * self.cfg.hidden_size <= FUSED_NORM_MAX_ELEMS
 
     def pre(self, h: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor,
-            cos_sin: torch.Tensor, qkv_out: torch.Tensor) -> None:
+            cos_sin: torch.Tensor, qkv_out: torch.Tensor, q8: Fp8Scratch | None = None) -> None:
         """Residual add + norm, QKV and RoPE into `qkv_out`; h is None when the norm is fused."""
         if self.fuses_norm(residual.shape[0]):
             self.qkv_rope(residual, positions, cos_sin, qkv_out, norm_rows=residual)
             return
-        self.attn_norm(h, residual)
-        self.qkv_rope(h, positions, cos_sin, qkv_out)
+        x = normed_input(self.attn_norm, self.qkv_proj, h, residual, q8=q8)
+        self.qkv_rope(x, positions, cos_sin, qkv_out)
 
-    def qkv_rope(self, h_normed: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                 out: torch.Tensor | None = None, norm_rows: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def qkv_rope(self, h_normed: torch.Tensor | QuantizedRows, positions: torch.Tensor,
+                 cos_sin: torch.Tensor, out: torch.Tensor | None = None,
+                 norm_rows: torch.Tensor | None = None) -> torch.Tensor:
         """QKV, QK-norm and RoPE; with `norm_rows` (raw residual input) the RoPE kernel also
         applies the input norm's rstd and the bias."""
         folded = norm_rows is not None
@@ -124,18 +128,19 @@ class DecoderLayer(nn.Module):
         return qkv
 
     def post(self, attn_out: torch.Tensor, residual: torch.Tensor, h_out: torch.Tensor,
-             scratch: torch.Tensor | None = None) -> torch.Tensor | None:
+             scratch: torch.Tensor | None = None, q8: Fp8Scratch | None = None,
+             q8_mlp: Fp8Scratch | None = None) -> torch.Tensor | None:
         """O projection, add + norm, MLP into `h_out`; fused norm: into `residual`, returns None.
         Sandwich norms: the O projection's and the MLP's outputs are normed in place."""
         if self.fuses_norm(residual.shape[0]):
             linear(attn_out, self.o_proj, residual, accumulate=True)
             self.mlp(residual, out=residual, scratch=scratch, norm_eps=self.cfg.rms_norm_eps)
             return None
-        h = linear(attn_out, self.o_proj, h_out)
+        h = linear(attn_out, self.o_proj, h_out, q8=q8)
         if self.attn_out_norm is not None:
             self.attn_out_norm(h, out=h)
-        self.mlp_norm(h, residual)
-        h = self.mlp(h, out=h, scratch=scratch)
+        x = normed_input(self.mlp_norm, self.mlp.gate_up_proj, h, residual, q8=q8)
+        h = self.mlp(x, out=h, scratch=scratch, q8=q8_mlp)
         if self.mlp_out_norm is not None:
             self.mlp_out_norm(h, out=h)
         return h
@@ -179,10 +184,10 @@ class DecoderModel(nn.Module):
         return self.cos_sin_local if self.layers[layer].rope else self.cos_sin
 
     def fold_norms(self) -> None:
-        """Fold every layer's norms; not sandwich norms, nor into weights already quantized
-        (an e4m3 weight times a norm weight is no longer e4m3: fold first, then quantize)."""
-        quantized = any(not isinstance(layer.qkv_proj, nn.Linear) for layer in self.layers)
-        if self.norms_folded or self.cfg.sandwich_norms or quantized:
+        """Fold every layer's norms; not sandwich norms, nor into quantized weights (an e4m3
+        weight times a norm weight is no longer e4m3; their norms ride in the launch that
+        quantizes the projection's input instead)."""
+        if self.norms_folded or self.cfg.sandwich_norms or self.quantized:
             return
         with torch.no_grad():
             for layer in self.layers:
@@ -191,6 +196,11 @@ class DecoderModel(nn.Module):
 
     def fuses_norm(self, rows: int) -> bool:
         return len(self.layers) > 0 and self.layers[0].fuses_norm(rows)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any projection is FP8 (service/model/fp8.py)."""
+        return any(isinstance(m, Fp8Linear) for m in self.modules())
 
     def set_kernels(self, use_triton: bool) -> None:
         for m in self.modules():
@@ -238,16 +248,17 @@ class DecoderModel(nn.Module):
         if self.layers:
             first = self.layers[0]
             if not first.fuses_norm(a.residual.shape[0]):
-                first.attn_norm(a.residual, out=a.hidden)
-                first.qkv_rope(a.hidden, a.positions, self._table(0), out=a.qkv)
+                x = normed_input(first.attn_norm, first.qkv_proj, a.residual, out=a.hidden,
+                                 q8=a.q8)
+                first.qkv_rope(x, a.positions, self._table(0), out=a.qkv)
                 return
             first.pre(None, a.residual, a.positions, self._table(0), a.qkv)
 
     def _between(self, i: int, a: Activations) -> None:
         """Layer i after its attention, then layer i + 1 up to its attention (or the final norm)."""
-        h = self.layers[i].post(a.attn, a.residual, a.hidden, a.mlp_scratch)
+        h = self.layers[i].post(a.attn, a.residual, a.hidden, a.mlp_scratch, a.q8, a.q8_mlp)
         if i + 1 < len(self.layers):
-            self.layers[i + 1].pre(h, a.residual, a.positions, self._table(i + 1), a.qkv)
+            self.layers[i + 1].pre(h, a.residual, a.positions, self._table(i + 1), a.qkv, a.q8)
         elif h is None:  # no norm kernels: the residual is the whole state
             self.norm(a.residual, out=a.hidden)
         else:

@@ -10,27 +10,22 @@ it, so the family modules do not change with the precision."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+from kernels import ops
+from kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
+from kernels.quant_fp8 import E4M3, E4M3_MAX, TINY, quantize_ref
+
 BLOCK = 128  # the block format's weight tile and activation group
-_TINY = 1e-12  # an all-zero row keeps a finite scale
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scales): x ≈ values * scale, scale = amax / 448 per row, or per
     `group` consecutive columns of a row ((rows, cols / group) scales)."""
-    xf = x.float()
-    if group is None:
-        scale = xf.abs().amax(-1).clamp_min(_TINY) / E4M3_MAX  # (rows,)
-        return (xf / scale[:, None]).to(E4M3), scale
-    rows, cols = xf.shape
-    assert cols % group == 0, f"{cols} columns in groups of {group}"
-    g = xf.view(rows, cols // group, group)
-    scale = g.abs().amax(-1).clamp_min(_TINY) / E4M3_MAX  # (rows, groups)
-    return (g / scale[..., None]).to(E4M3).view(rows, cols), scale
+    return quantize_ref(x, group or 0)
 
 
 def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +33,7 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     n, k = w.shape
     assert n % block == 0 and k % block == 0, f"weight {tuple(w.shape)} in {block}-blocks"
     t = w.float().view(n // block, block, k // block, block)
-    scale = t.abs().amax((1, 3)).clamp_min(_TINY) / E4M3_MAX
+    scale = t.abs().amax((1, 3)).clamp_min(TINY) / E4M3_MAX
     return (t / scale[:, None, :, None]).to(E4M3).view(n, k), scale
 
 
@@ -54,10 +49,88 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return v * scale.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A projection's input as its FP8 GEMM reads it: e4m3 rows, their fp32 scales ((T,) a row,
+    (T, K / 128) a row's groups) and the dtype the unquantized rows had (the output's)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def __getitem__(self, rows: slice) -> QuantizedRows:
+        return QuantizedRows(self.values[rows], self.scale[rows], self.dtype)
+
+
+@dataclass(frozen=True)
+class Fp8Scratch:
+    """Where quantized rows are written: flat e4m3 values and fp32 scales, viewed per call as
+    (rows, cols) contiguous; a graph runner allocates one at its largest size."""
+
+    values: torch.Tensor  # (>= rows * cols,) e4m3
+    scale: torch.Tensor  # (>= rows * groups,) fp32
+
+    @classmethod
+    def allocate(cls, rows: int, cols: int, device: torch.device | str) -> Fp8Scratch:
+        groups = max(1, -(-cols // BLOCK))
+        return cls(torch.zeros(rows * cols, dtype=E4M3, device=device),
+                   torch.zeros(rows * groups, dtype=torch.float32, device=device))
+
+    def take(self, rows: int, cols: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows * (cols // group if group else 1)
+        assert rows * cols <= self.values.numel() and n <= self.scale.numel(), (
+            f"({rows}, {cols}) rows past the FP8 scratch")
+        return self.values[: rows * cols].view(rows, cols), _scales(self.scale[:n], rows, group)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() + 4 * self.scale.numel()
+
+
+def _scales(flat: torch.Tensor, rows: int, group: int) -> torch.Tensor:
+    """(rows,), or (rows, groups) column-major: the layout cuBLASLt's block-scaled GEMM reads."""
+    return flat.view(-1, rows).t() if group else flat
+
+
+def _empty(rows: int, cols: int, group: int, device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    n = rows * (cols // group if group else 1)
+    return (torch.empty(rows, cols, dtype=E4M3, device=device),
+            _scales(torch.empty(n, dtype=torch.float32, device=device), rows, group))
+
+
+_CUBLAS_BLOCK: dict[torch.device, bool] = {}
+
+
+def cublas_block_scales(device: torch.device) -> bool:
+    """Whether this torch's `_scaled_mm` takes 128 x 128 block scales on `device` (cuBLASLt,
+    CUDA 12.9+: about twice our Triton kernel's speed, bench/fp8_gemm.py). Asked once per device,
+    outside graph capture (a captured first call takes the Triton kernel)."""
+    if device in _CUBLAS_BLOCK:
+        return _CUBLAS_BLOCK[device]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    a = torch.zeros(2 * BLOCK, 2 * BLOCK, dtype=E4M3, device=device)
+    s = torch.ones(2, 2 * BLOCK, device=device).t()  # (256, 2) column-major: 1 x 128 groups
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=s, scale_b=torch.ones(2, 2, device=device).t(),
+                         out_dtype=torch.bfloat16)
+        ok = True
+    except (RuntimeError, ValueError):
+        ok = False
+    _CUBLAS_BLOCK[device] = ok
+    return ok
+
+
 class Fp8Linear(nn.Module):
     """y = x @ W^T (+ b) with W in e4m3: `weight_scale` (N,) per channel or (N/128, K/128) per
     block; activations quantized per token (per 128-column group with block weights), or with
-    one static `input_scale` for the whole tensor."""
+    one static `input_scale` for the whole tensor. Triton kernels quantize and multiply on
+    CUDA (`use_triton`, None: by the input's device); elsewhere the PyTorch reference."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None):
@@ -74,6 +147,8 @@ class Fp8Linear(nn.Module):
         self.input_scale = (None if input_scale is None
                             else nn.Parameter(input_scale.float().reshape(()),
                                               requires_grad=False))
+        self.group = BLOCK if self.block else 0  # activation scales: per token or per group
+        self.use_triton: bool | None = None
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Fp8Linear:
@@ -82,24 +157,61 @@ class Fp8Linear(nn.Module):
         bias = None if lin.bias is None else lin.bias.data
         return cls(w, scale, bias)
 
-    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.input_scale is not None:  # static: values beyond the range saturate at 448
-            xs = (x.float() / self.input_scale).clamp(-E4M3_MAX, E4M3_MAX)
-            return xs.to(E4M3), self.input_scale
-        return quantize_rows(x, BLOCK if self.block else None)
+    def _triton(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.use_triton is None else self.use_triton
 
-    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None, *,
-               accumulate: bool = False, bias: bool = True) -> torch.Tensor:
-        """`x @ W^T` (+ bias) into `out`; `accumulate`: out += x @ W^T (no bias)."""
-        y = fp8_matmul_ref(x, self)
-        if bias and self.bias is not None and not accumulate:
-            y = y + self.bias.float()
-        if accumulate:
-            assert out is not None, "accumulate into an out"
-            return out.copy_((out.float() + y).to(out.dtype))
+    def _input_buffers(self, rows: int, cols: int, device: torch.device,
+                 scratch: Fp8Scratch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if scratch is None:
+            return _empty(rows, cols, self.group, device)
+        return scratch.take(rows, cols, self.group)
+
+    def quantize(self, x: torch.Tensor, scratch: Fp8Scratch | None = None, *,
+                 residual: torch.Tensor | None = None, norm: nn.Module | None = None
+                 ) -> QuantizedRows:
+        """x's rows as this projection reads them; with `residual` (in place: residual += x)
+        and `norm` (an RMSNorm) the normed new residual, in one launch."""
+        values, scale = self._input_buffers(x.shape[0], self.in_features, x.device, scratch)
+        ops.quantize_fp8(x, values, scale, group=self.group, static=self.input_scale,
+                         residual=residual, weight=None if norm is None else norm.weight,
+                         eps=0.0 if norm is None else norm.eps, use_triton=self._triton(x))
+        return QuantizedRows(values, scale, x.dtype)
+
+    def quantize_act(self, gate_up: torch.Tensor, activation: str,
+                     scratch: Fp8Scratch | None = None) -> QuantizedRows:
+        """act(gate) * up of a (T, 2F) gate|up output, quantized for this (down) projection."""
+        values, scale = self._input_buffers(gate_up.shape[0], self.in_features, gate_up.device,
+                                      scratch)
+        ops.act_and_mul_fp8(gate_up, values, scale, activation=activation, group=self.group,
+                            static=self.input_scale, use_triton=self._triton(gate_up))
+        return QuantizedRows(values, scale, gate_up.dtype)
+
+    def matmul(self, x: torch.Tensor | QuantizedRows, out: torch.Tensor | None = None, *,
+               accumulate: bool = False, bias: bool = True,
+               scratch: Fp8Scratch | None = None) -> torch.Tensor:
+        """`x @ W^T` (+ bias) into `out`. x: rows to quantize (into `scratch`), or rows already
+        quantized for this projection. NOTE: no `accumulate` (the folded-norm path's out +=):
+        quantized projections keep their norms unfolded."""
+        assert not accumulate, "quantized projections run with their norms unfolded"
+        q = x if isinstance(x, QuantizedRows) else self.quantize(x, scratch)
+        b = self.bias if bias else None
         if out is None:
-            return y.to(x.dtype)
-        return out.copy_(y.to(out.dtype))
+            out = torch.empty(q.shape[0], self.out_features, dtype=q.dtype,
+                              device=q.values.device)
+        if not self._triton(q.values):
+            return fp8_gemm_ref(q.values, q.scale, self.weight, self.weight_scale, out, b)
+        # NOTE: cuBLASLt finds no block-scaled algorithm for some row counts (1,338 rows:
+        # NOT_SUPPORTED); whole 16-row tiles, which every graph bucket past 8 is, it takes
+        if self.block and (out.shape[0] % 16 or not cublas_block_scales(out.device)):
+            return fp8_gemm(q.values, q.scale, self.weight, self.weight_scale, out, b)
+        if self.block:  # cuBLASLt: 1 x 128 activation groups, 128 x 128 weight tiles
+            return torch._scaled_mm(q.values, self.weight.t(), scale_a=q.scale,
+                                    scale_b=self.weight_scale.t(), bias=b, out_dtype=out.dtype,
+                                    out=out)
+        # cuBLASLt's row-wise scaled GEMM: per-token x per-channel scales, fp32 sums
+        return torch._scaled_mm(q.values, self.weight.t(), scale_a=q.scale[:, None],
+                                scale_b=self.weight_scale[None, :], bias=b, out_dtype=out.dtype,
+                                out=out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
@@ -115,13 +227,6 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale)
 
 
-def fp8_matmul_ref(x: torch.Tensor, lin: Fp8Linear) -> torch.Tensor:
-    """fp32 (T, N): both operands rounded to e4m3 with their scales, an fp32 product."""
-    xq, xs = lin.quantize_input(x)
-    w = dequantize(lin.weight, lin.weight_scale)  # (N, K) fp32
-    return dequantize(xq, xs) @ w.t()
-
-
 PROJECTIONS = ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -133,8 +238,9 @@ def precision(model: nn.Module) -> str:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> None:
-    """Every layer's projections to per-channel FP8 in place (embedding and LM head stay);
-    fold norms first: a folded weight is quantized as the product it is."""
+    """Every layer's projections to per-channel FP8 in place (embedding and LM head stay).
+    Norms stay unfolded: each quantizing launch applies its norm (Fp8Linear.quantize)."""
+    assert not getattr(model, "norms_folded", False), "quantize before folding norms"
     for layer in model.layers:
         for path in PROJECTIONS:
             owner, _, name = path.rpartition(".")

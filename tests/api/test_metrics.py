@@ -86,6 +86,15 @@ def test_cache_config_info_is_the_kv_pool(api) -> None:
                              "num_pages": str(info.kv_capacity_tokens // info.page_size)}
 
 
+def test_model_info_says_the_precision(api) -> None:
+    """prefill_model_info: value 1, the dtype and the projections' quantization in labels."""
+    (sample,) = families(api.get("/metrics").text)["prefill_model_info"].samples
+    assert sample.value == 1.0
+    assert sample.labels == {"model_name": api.state.model_name,
+                             "dtype": api.state.engine_cfg.dtype,
+                             "quantization": api.state.engine.info.quantization}
+
+
 def test_promtool_check_metrics(api) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:

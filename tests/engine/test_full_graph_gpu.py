@@ -22,6 +22,7 @@ from service.engine.runners import on_stream
 from service.engine.runners.full import BLAS, blas_library
 from service.engine.sampling import unpack
 from service.model.families import preset
+from service.model.fp8 import quantize_model
 from service.model.loader import random_model
 from tests.engine.helpers import Runners, chunk, prompts
 from tests.engine.test_graph_gpu import relerr, varlen_batch
@@ -34,13 +35,17 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module", params=[("smollm2-135m", False), ("llama-3.2-1b", False),
                                         ("smollm2-135m", True), ("qwen2.5-0.5b", True),
-                                        ("qwen3-0.6b", True), ("gemma-3-1b", False)],
+                                        ("qwen3-0.6b", True), ("gemma-3-1b", False),
+                                        ("llama-3.2-1b", "fp8"), ("qwen2.5-0.5b", "fp8")],
                 ids=["smollm2", "llama-1b", "smollm2-folded", "qwen-folded", "qwen3-folded",
-                     "gemma3"])
+                     "gemma3", "llama-1b-fp8", "qwen-fp8"])
 def runner(request):
-    name, fold = request.param
+    name, mode = request.param  # mode: True folds the norms; "fp8" quantizes the projections
+    fold = mode is True
     cfg = preset(name, num_layers=6 if name.startswith("gemma") else 3)  # gemma: 5 local, 1 global
     model = random_model(cfg, "cuda", BF16, seed=0)
+    if mode == "fp8":
+        quantize_model(model)
     unfolded = copy.deepcopy(model) if fold else None
     if fold:
         model.fold_norms()  # as the engine does before building its runners
@@ -167,7 +172,12 @@ def test_full_and_breakable_forwards_share_kv_in_order(runner):
             want = runner.model(b.input_ids, b.positions, b.meta)
         torch.cuda.synchronize()
         assert runner.full_forwards == before + 1  # exactly one of the two was a full graph
-        assert relerr(got, want) <= 2e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
+        # NOTE: behind a 1,500-token prefix the full graph's attention tiles round differently
+        # from the eager ones (bf16: 0.011); FP8 re-rounds those rows to e4m3 before the O
+        # projection, which magnifies that (0.073 measured): both are valid FP8 forwards. KV
+        # read out of order would be garbage (an error of order 1).
+        tol = 0.1 if runner.model.quantized else 2e-2
+        assert relerr(got, want) <= tol and torch.equal(got.argmax(-1), want.argmax(-1))
         if batch.summary is not None:
             summary = batch.summary.get()
             assert summary.device.type == "cpu"

@@ -65,9 +65,8 @@ def test_per_channel_projection_is_the_emulated_product(bias):
         want = want + lin.bias.detach()
     torch.testing.assert_close(f.matmul(x), want, rtol=1e-6, atol=1e-6)
     out = torch.ones(9, 48)
-    f.matmul(x, out, accumulate=True)  # out += x @ W^T: no bias
-    torch.testing.assert_close(out, 1 + want - (lin.bias.detach() if bias else 0),
-                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(AssertionError, match="unfolded"):  # no folded-norm out +=
+        f.matmul(x, out, accumulate=True)
     err = (f.matmul(x) - lin(x)).norm() / lin(x).norm()
     assert 0 < err < 0.06
 
@@ -85,26 +84,33 @@ def test_static_input_scale_saturates():
     lin = nn.Linear(8, 4, bias=False)
     f = Fp8Linear(*quantize_rows(lin.weight.detach()), input_scale=torch.tensor(0.01))
     x = torch.full((1, 8), 100.0)  # 100 / 0.01 = 10,000: past e4m3's 448
-    q, s = f.quantize_input(x)
-    assert torch.equal(q.float(), torch.full((1, 8), E4M3_MAX)) and float(s) == pytest.approx(0.01)
+    q = f.quantize(x)
+    assert torch.equal(q.values.float(), torch.full((1, 8), E4M3_MAX))
+    assert q.scale.tolist() == [pytest.approx(0.01)]  # the static scale, a copy per row
 
 
 def test_a_quantized_model_runs_and_stays_close():
+    """Quantized as loaded (norms unfolded: the quantizing launches apply them); folding
+    afterwards leaves it alone, and quantizing a folded model is refused."""
     model = tiny_model(num_layers=2, seed=3)
     ids = [list(range(1, 40)), list(range(50, 60))]
     want = Prefiller(model).last_logits(ids)
     fp8 = copy.deepcopy(model)
-    fp8.fold_norms()
-    folded = [layer.qkv_proj.weight.detach().clone() for layer in fp8.layers]
+    weights = [layer.qkv_proj.weight.detach().clone() for layer in fp8.layers]
     quantize_model(fp8)
-    for layer, w in zip(fp8.layers, folded):
+    assert fp8.quantized and not model.quantized
+    for layer, w in zip(fp8.layers, weights):
         assert isinstance(layer.qkv_proj, Fp8Linear) and isinstance(layer.mlp.down_proj,
                                                                     Fp8Linear)
-        # the folded product is what was quantized
         torch.testing.assert_close(layer.qkv_proj.dequantized(), w, rtol=2**-4, atol=1e-6)
     before = [p.detach().clone() for p in fp8.parameters()]
-    fp8.fold_norms()  # a quantized model does not fold again
+    fp8.fold_norms()  # a quantized model does not fold
+    assert not fp8.norms_folded
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, fp8.parameters()))
     got = Prefiller(fp8).last_logits(ids)
     for g, w in zip(got, want):
         assert 0 < ((g - w).norm() / w.norm()).item() < 0.05
+    folded = copy.deepcopy(model)
+    folded.fold_norms()
+    with pytest.raises(AssertionError, match="before folding"):
+        quantize_model(folded)
