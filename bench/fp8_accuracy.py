@@ -1,10 +1,10 @@
 """FP8 (W8A8, per-channel weights, per-token activations) accuracy on a real model, on the CPU.
 
 The embedded SmolLM2-135M-Instruct, three ways over the same tokens: fp32; bf16 as the GPU serves
-it (norms folded); FP8 as QUANTIZATION=fp8 serves it (the bf16 weights, every projection
-quantized, the norms unfolded: each norm's output is what gets quantized; the reference path
-emulates e4m3 exactly: both operands rounded with their scales, fp32 accumulation). Embedding
-and LM head stay bf16.
+it (norms folded); FP8 as QUANTIZATION=fp8 serves it (the bf16 weights, the pre-norms' weights
+multiplied into QKV and gate/up, every projection quantized, the norms run with unit weights and
+their output is quantized; the reference path emulates e4m3 exactly: both operands rounded with
+their scales, fp32 accumulation). Embedding and LM head stay bf16.
 
 - rolling loglikelihood over a fixed English corpus: the module docstrings of a fixed list of
   Python standard-library modules (this Python's, named in the output), in windows of 1,024
@@ -97,7 +97,7 @@ def variants() -> tuple[dict, object]:
     bf16.build_rope_tables(torch.device("cpu"))
     fp8 = copy.deepcopy(bf16)
     bf16.fold_norms()  # as the engine serves bf16
-    quantize_model(fp8)  # norms unfolded, as QUANTIZATION=fp8 serves it
+    quantize_model(fp8)  # as QUANTIZATION=fp8 serves it
     return {"fp32": fp32, "bf16": bf16, "fp8": fp8}, loaded.tokenizer
 
 

@@ -86,8 +86,9 @@ class Settings(BaseSettings):
         "float16 models."))
     quantization: Literal["none", "fp8"] = Field("none", description=(
         "`fp8`: every layer's projections in FP8 e4m3 (per-output-channel weight scales, "
-        "per-token dynamic activation scales, fp32 sums), quantized at start-up (norms stay "
-        "unfolded: each norm's launch writes the quantized rows); embedding and LM head stay. "
+        "per-token dynamic activation scales, fp32 sums), quantized at start-up with the "
+        "pre-norms' weights multiplied in (the norms' launches write the quantized rows); "
+        "embedding and LM head stay. "
         "Halves the projections' memory; the KV pool takes what is freed. FP8 checkpoints "
         "(compressed-tensors float-quantized, fp8 with 128 × 128 blocks) load as published "
         "whatever this says. GPU: Triton quantization kernels, cuBLASLt row-wise and Triton "

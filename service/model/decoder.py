@@ -86,14 +86,21 @@ class DecoderLayer(nn.Module):
         self.folded = False  # the norm weights live in qkv_proj / gate_up_proj (fold_norms)
 
     def fold_norms(self) -> None:
-        """Multiply the norm weights into the projections after them; norms keep unit weights.
+        """Multiply the norm weights into the projections after them; norms keep unit weights,
+        and forwards of up to FUSED_NORM_MAX_ELEMS skip their kernels (`fuses_norm`).
         NOTE: sandwich norms do not fold: a branch output is normed before the residual add."""
+        self.fold_norm_weights()
+        self.folded = True
+
+    def fold_norm_weights(self) -> None:
+        """The weights' half of `fold_norms`: the norms still run, with unit weights (FP8
+        quantizes the folded product, the norm kernel quantizes its output)."""
         assert not self.cfg.sandwich_norms, "sandwich-norm layers keep their norm kernels"
         for norm, lin in ((self.attn_norm, self.qkv_proj), (self.mlp_norm, self.mlp.gate_up_proj)):
+            assert isinstance(lin, nn.Linear), "norms fold into unquantized projections only"
             w = lin.weight.data
             w.copy_(w.float().mul_(norm.weight.data.float()[None, :]).to(w.dtype))
             norm.weight.data.fill_(1.0)
-        self.folded = True
 
     def fuses_norm(self, rows: int) -> bool:
         return self.folded and rows * self.cfg.hidden_size <= FUSED_NORM_MAX_ELEMS

@@ -90,18 +90,24 @@ def test_static_input_scale_saturates():
 
 
 def test_a_quantized_model_runs_and_stays_close():
-    """Quantized as loaded (norms unfolded: the quantizing launches apply them); folding
-    afterwards leaves it alone, and quantizing a folded model is refused."""
+    """The pre-norms' weights are quantized inside QKV and gate/up; the norms still run (unit
+    weights, not `folded`: their launch quantizes); folding afterwards leaves the model alone,
+    and quantizing a folded model is refused."""
     model = tiny_model(num_layers=2, seed=3)
+    for layer in model.layers:  # norm weights that differ per channel
+        layer.attn_norm.weight.data.uniform_(0.5, 2.0)
     ids = [list(range(1, 40)), list(range(50, 60))]
     want = Prefiller(model).last_logits(ids)
     fp8 = copy.deepcopy(model)
-    weights = [layer.qkv_proj.weight.detach().clone() for layer in fp8.layers]
+    weights = [layer.qkv_proj.weight.detach() * layer.attn_norm.weight.detach()[None, :]
+               for layer in fp8.layers]
     quantize_model(fp8)
     assert fp8.quantized and not model.quantized
     for layer, w in zip(fp8.layers, weights):
         assert isinstance(layer.qkv_proj, Fp8Linear) and isinstance(layer.mlp.down_proj,
                                                                     Fp8Linear)
+        assert not layer.folded and torch.equal(layer.attn_norm.weight,
+                                                torch.ones_like(layer.attn_norm.weight))
         torch.testing.assert_close(layer.qkv_proj.dequantized(), w, rtol=2**-4, atol=1e-6)
     before = [p.detach().clone() for p in fp8.parameters()]
     fp8.fold_norms()  # a quantized model does not fold
