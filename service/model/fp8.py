@@ -1,12 +1,15 @@
-"""FP8 (e4m3) projections: the W8A8 scheme and its exact PyTorch reference.
+"""FP8 (e4m3) projections: the W8A8 scheme, its exact PyTorch reference and its GPU kernels.
 
 Weights are e4m3 with a scale per output channel (or per 128 × 128 block, as Qwen3's FP8
 checkpoints ship them); activations are quantized per token (or per 128-column group with block
-weights) at run time; products accumulate in fp32 and are scaled back once. The reference path
-below emulates exactly that arithmetic on any device: e4m3 rounding of both operands with the
-same scales, an fp32 matmul of the rounded values, the scales applied to the fp32 result.
-`Fp8Linear` stands where an `nn.Linear` projection stands; `service.model.layers.linear` calls
-it, so the family modules do not change with the precision."""
+weights) at run time by the launch that produces them (kernels/quant_fp8.py: add + RMSNorm,
+SiLU-and-mul, or a launch of its own for the O projection's input); products are summed in fp32
+and scaled back. On CUDA the GEMMs are cuBLASLt's (torch._scaled_mm: row-wise scales, or block
+scales where this torch has them) or our Triton block-scaled kernel (kernels/fp8_gemm.py);
+elsewhere the reference emulates the same arithmetic exactly: e4m3 rounding of both operands
+with the same scales, an fp32 product. `Fp8Linear` stands where an `nn.Linear` projection
+stands; `service.model.layers` calls it, so the family modules do not change with the
+precision."""
 
 from __future__ import annotations
 
@@ -239,11 +242,10 @@ def precision(model: nn.Module) -> str:
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> None:
     """Every layer's projections to per-channel FP8 in place (embedding and LM head stay).
-    The pre-norms' weights are multiplied into QKV and gate/up first and quantized with them:
-    on SmolLM2-135M this keeps perplexity within 2 % of bf16's where quantizing the weighted
-    norm output does not (bench/fp8_accuracy.py), the norms' outlier channels going to the
-    per-channel weight scales instead of the per-token ones. The norms still run (unit
-    weights): their launch writes the quantized rows (Fp8Linear.quantize)."""
+    The pre-norms' weights are multiplied into QKV and gate/up first and quantized with them,
+    so the channels a norm weight magnifies meet the per-channel weight scales rather than
+    inflating each token's activation scale (bench/fp8_accuracy.py measures the result). The
+    norms still run (unit weights): their launch writes the quantized rows (Fp8Linear.quantize)."""
     assert not getattr(model, "norms_folded", False), "quantize before folding norms"
     for layer in model.layers:
         if not layer.cfg.sandwich_norms and isinstance(layer.qkv_proj, nn.Linear) and isinstance(
