@@ -14,7 +14,7 @@ import torch
 
 from kernels._triton import tl, triton
 from kernels.activation import ACTIVATIONS, act_and_mul_ref, activate
-from kernels.rms_norm import normed_row, rms_norm_ref
+from kernels.rms_norm import rms_norm_ref, rstd
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -66,8 +66,20 @@ def _quantize_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
-    x = normed_row(x_ptr + row * stride_xt, r_ptr + row * stride_rt, w_ptr, cols, mask, n_cols,
-                   eps, RESIDUAL, NORM)
+    # NOTE: the add and norm steps of kernels/rms_norm.py's kernel, rounded alike, so these are
+    # the rows the bf16 path would hand its projection
+    x = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(r_ptr + row * stride_rt + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(dtype)  # the new residual, rounded like PyTorch's x + residual
+        tl.store(r_ptr + row * stride_rt + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    if NORM:
+        y = (x * rstd(x, n_cols, eps)).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (y * w).to(dtype).to(tl.float32)
     scale = 0.0
     if STATIC:
         scale = tl.load(static_ptr)

@@ -23,27 +23,6 @@ def row_rstd(x_ptr, n_cols, eps, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def normed_row(x_ptr, r_ptr, w_ptr, cols, mask, n_cols, eps, RESIDUAL: tl.constexpr,
-               NORM: tl.constexpr):
-    """The row at x_ptr, fp32 holding values of x's dtype: with RESIDUAL first the new residual
-    x + r (stored back at r_ptr), then with NORM rms_norm(.) * w, each step rounded as PyTorch
-    rounds it."""
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0)
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    if RESIDUAL:
-        r = tl.load(r_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(dtype)  # the new residual, rounded like PyTorch's x + residual
-        tl.store(r_ptr + cols, s, mask=mask)
-        x = s.to(tl.float32)
-    if NORM:
-        y = (x * rstd(x, n_cols, eps)).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        x = (y * w).to(dtype).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     r_ptr,
@@ -60,9 +39,17 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
-    y = normed_row(x_ptr + row * stride_xt, r_ptr + row * stride_rt, w_ptr, cols, mask, n_cols,
-                   eps, HAS_RESIDUAL, True)
-    tl.store(out_ptr + row * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    x = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_rt + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(dtype)  # the new residual, rounded like PyTorch's x + residual
+        tl.store(r_ptr + row * stride_rt + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    y = (x * rstd(x, n_cols, eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_ot + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x, residual, weight, eps, out, wrap):

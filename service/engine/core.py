@@ -111,7 +111,7 @@ class EngineCore:
             raise ModelLoadError(f"{self.model_path}: {self.precision} projections are not "
                                  "sharded across data-parallel ranks")
         if cfg.fold_norms and dp_group is None and self.dtype != torch.float16:
-            self.model.fold_norms()  # not quantized projections: their norms stay in kernels
+            self.model.fold_norms()  # skips FP8 projections: their norms' launch quantizes
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         # On the CPU a launch runs the whole forward: nothing to overlap with the next one
         self.synchronous = not cuda
