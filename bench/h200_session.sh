@@ -65,6 +65,20 @@ step family_bound "${T_FB:-420}" env OUT="$R" python3 bench/bound.py --models "$
 step family_e2e "${T_FE:-420}" env OUT="$R" python3 bench/e2e.py --models "${E2E_MODELS:-$FAMILIES}" \
   --variants ours-graph,hf-sdpa
 step sizing "${T_SZ:-300}" env OUT="$R" MODEL_PATH="$PWD/.gpu_assets/smollm2" python3 bench/sizing.py --models "${SIZING_MODELS:-qwen3-8b,gemma-3-1b,llama-3.1-8b}"
+# FP8 (#42), each bench into its own folder: GPU tests, GEMMs, e2e against bf16 and transformers
+# in one run, the FP8 bound (ours and transformers in it), bf16 against FP8 start-up sizing
+FP8_MODELS=${FP8_MODELS:-llama-3.1-8b}
+step fp8_tests "${T_F8T:-200}" python3 -m pytest -v -rs -m "gpu or not gpu" -p no:cacheprovider \
+  tests/kernels/test_quant_fp8.py tests/kernels/test_fp8_gemm.py tests/model/test_fp8_gpu.py \
+  tests/engine/test_full_graph_gpu.py -k "fp8 or not full_graph"
+step fp8_gemm "${T_F8G:-150}" env OUT="$R/fp8_gemm" python3 bench/fp8_gemm.py \
+  --models llama-3.1-8b --rows 128,1024,4096,8192
+step fp8_e2e "${T_F8E:-300}" env OUT="$R/fp8_e2e" python3 bench/e2e.py --models "$FP8_MODELS" \
+  --variants ours-graph,ours-graph-fp8,hf-sdpa
+step fp8_bound "${T_F8B:-300}" env OUT="$R/fp8_bound" python3 bench/bound.py --models "$FP8_MODELS" \
+  --fp8
+step fp8_sizing "${T_F8S:-200}" env OUT="$R/fp8_sizing" MODEL_PATH="$PWD/.gpu_assets/smollm2" \
+  python3 bench/sizing.py --models llama-3.1-8b,llama-3.1-8b:fp8
 step attention_window "${T_AW:-200}" env OUT="$R" python3 bench/attention.py --cases window
 step attention "${T_ATTN:-420}" env OUT="$R" python3 bench/attention.py ${ATTN_ARGS:-}
 step sm90_launch "${T_SL:-300}" env OUT="$R" python3 bench/sm90_launch.py
