@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import tl, triton
+from kernels.quant_fp8 import dequantize
 
 SCALE_BLOCK = 128
 
@@ -103,13 +104,7 @@ def fp8_gemm_ref(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.T
                  out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same product from dequantized operands: fp32 values times their scales, for block
     scales as above or row-wise ones (sa (M,), sw (N,))."""
-    def dq(v: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
-        if s.dim() == 1:
-            return v.float() * s.float()[:, None]
-        full = s.float().repeat_interleave(rows, 0).repeat_interleave(SCALE_BLOCK, 1)
-        return v.float() * full[: v.shape[0], : v.shape[1]]
-
-    y = dq(a, sa, 1) @ dq(w, sw, SCALE_BLOCK).t()
+    y = dequantize(a, sa, SCALE_BLOCK) @ dequantize(w, sw, SCALE_BLOCK).t()
     if bias is not None:
         y += bias.float()
     return out.copy_(y.to(out.dtype))

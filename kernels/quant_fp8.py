@@ -235,6 +235,20 @@ def quantize_ref(y: torch.Tensor, group: int = 0, static: torch.Tensor | None = 
     return (g / scale[..., None]).to(E4M3).view(rows, cols), scale
 
 
+def dequantize(values: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp32 values * scale: a scalar, one per row (N,), or 2-D per `block` columns, of one row
+    ((T, K / block), activations) or of `block` rows too ((N / block, K / block), weights);
+    ragged last groups take their group's scale."""
+    v = values.float()
+    if scale.numel() == 1:
+        return v * scale.float().reshape(())
+    if scale.dim() == 1:
+        return v * scale.float()[:, None]
+    rows = 1 if scale.shape[0] == v.shape[0] else block
+    full = scale.float().repeat_interleave(rows, 0).repeat_interleave(block, 1)
+    return v * full[: v.shape[0], : v.shape[1]]
+
+
 def quantize_fp8_ref(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, *,
                      group: int = 0, static: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,

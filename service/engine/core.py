@@ -103,9 +103,7 @@ class EngineCore:
         self.model.attn.hopper = cfg.attention_hopper_kernel
         self.model_path = str(loaded.path)
         if cfg.quantization == "fp8":
-            quantize_model(self.model)  # the bf16 projections go: their memory joins the pool's
-            if cuda:
-                torch.cuda.empty_cache()
+            quantize_model(self.model)  # the bf16 projections' memory joins the KV pool's
         self.precision = precision(self.model)
         if self.precision != "none" and dp_group is not None:
             raise ModelLoadError(f"{self.model_path}: {self.precision} projections are not "

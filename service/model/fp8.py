@@ -19,16 +19,10 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
-from kernels.quant_fp8 import E4M3, E4M3_MAX, TINY, quantize_ref
+from kernels.fp8_gemm import SCALE_BLOCK, fp8_gemm, fp8_gemm_ref
+from kernels.quant_fp8 import E4M3, E4M3_MAX, TINY, dequantize, quantize_ref
 
-BLOCK = 128  # the block format's weight tile and activation group
-
-
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, fp32 scales): x ≈ values * scale, scale = amax / 448 per row, or per
-    `group` consecutive columns of a row ((rows, cols / group) scales)."""
-    return quantize_ref(x, group or 0)
+BLOCK = SCALE_BLOCK  # the block format's weight tile and activation group
 
 
 def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,18 +32,6 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     t = w.float().view(n // block, block, k // block, block)
     scale = t.abs().amax((1, 3)).clamp_min(TINY) / E4M3_MAX
     return (t / scale[:, None, :, None]).to(E4M3).view(n, k), scale
-
-
-def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 values * scale, for per-row (N,), per-group/block (N/b or N, K/b) or scalar scales."""
-    v = values.float()
-    if scale.dim() == 0 or scale.numel() == 1:
-        return v * scale.float().reshape(())
-    if scale.dim() == 1:
-        return v * scale.float()[:, None]
-    rows = v.shape[0] // scale.shape[0]
-    cols = v.shape[1] // scale.shape[1]
-    return v * scale.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
 
 
 @dataclass(frozen=True)
@@ -156,7 +138,7 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Fp8Linear:
         """Per-output-channel e4m3 of a bf16/fp32 projection, per-token dynamic activations."""
-        w, scale = quantize_rows(lin.weight.data)
+        w, scale = quantize_ref(lin.weight.data)
         bias = None if lin.bias is None else lin.bias.data
         return cls(w, scale, bias)
 

@@ -8,15 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from service.model.fp8 import (
-    E4M3,
-    E4M3_MAX,
-    Fp8Linear,
-    dequantize,
-    quantize_blocks,
-    quantize_model,
-    quantize_rows,
-)
+from kernels.quant_fp8 import E4M3, E4M3_MAX, dequantize, quantize_ref
+from service.model.fp8 import Fp8Linear, quantize_blocks, quantize_model
 from tests.engine.helpers import tiny_model
 from tests.model.prefill import Prefiller
 
@@ -27,7 +20,7 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def test_rows_scale_to_the_e4m3_range():
     x = torch.randn(5, 64) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 0.0])[:, None]
-    q, s = quantize_rows(x)
+    q, s = quantize_ref(x)
     assert q.dtype == E4M3 and s.shape == (5,)
     assert torch.equal(q.float().abs().amax(-1)[:4], torch.full((4,), E4M3_MAX))
     back = dequantize(q, s)
@@ -40,7 +33,7 @@ def test_rows_scale_to_the_e4m3_range():
 def test_groups_and_blocks_have_their_own_scales():
     x = torch.randn(3, 256)
     x[:, 128:] *= 100
-    q, s = quantize_rows(x, 128)
+    q, s = quantize_ref(x, 128)
     assert s.shape == (3, 2) and (s[:, 1] > 50 * s[:, 0]).all()
     w = torch.randn(256, 384)
     wq, ws = quantize_blocks(w)
@@ -75,14 +68,14 @@ def test_block_projection_quantizes_activations_per_group():
     torch.manual_seed(1)
     w, x = torch.randn(256, 256) * 0.05, torch.randn(4, 256)
     f = Fp8Linear(*quantize_blocks(w))
-    xq, xs = quantize_rows(x, 128)
+    xq, xs = quantize_ref(x, 128)
     want = dequantize(xq, xs) @ dequantize(*quantize_blocks(w)).t()
     assert torch.equal(f.matmul(x), want)
 
 
 def test_static_input_scale_saturates():
     lin = nn.Linear(8, 4, bias=False)
-    f = Fp8Linear(*quantize_rows(lin.weight.detach()), input_scale=torch.tensor(0.01))
+    f = Fp8Linear(*quantize_ref(lin.weight.detach()), input_scale=torch.tensor(0.01))
     x = torch.full((1, 8), 100.0)  # 100 / 0.01 = 10,000: past e4m3's 448
     q = f.quantize(x)
     assert torch.equal(q.values.float(), torch.full((1, 8), E4M3_MAX))

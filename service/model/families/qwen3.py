@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from service.model.config import HFConfig
+from service.model.families import qwen2
 from service.model.families.base import Family
 
 
 def from_hf(c: HFConfig) -> dict[str, Any]:
-    if c.get("use_sliding_window", False):  # no published Qwen3 checkpoint sets it
-        c.refuse("use_sliding_window: true")
-    return c.common("qwen3", eps_default=1e-6)
+    return qwen2.from_hf(c, "qwen3")
 
 
 FAMILY = Family(
