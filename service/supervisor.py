@@ -1,6 +1,8 @@
 """`python -m service`: settings, port and model checked once (a bad one: one line, exit 2 or 1),
-then the engine process and the API workers; a dead worker is replaced, a dead engine stops the
-service (exit 1); SIGTERM stops the workers (they drain), then the engine."""
+then the engine process, the API workers (PORT) and the admin server (ADMIN_PORT); a dead worker
+or admin server is replaced, a dead engine stops the service (exit 1); SIGTERM drains and stops
+the workers while the admin server answers the probes (/ready 503), then stops the admin server,
+then the engine."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ log = logging.getLogger("service")
 
 TICK_S = 0.2
 WORKER_STOP_S = 5.0  # after the engine died: the workers' last 503s
+ADMIN_STOP_S = 2.0  # the admin server's shutdown: its open connections closed
 RESTARTS = (5, 60.0)  # more worker deaths than this within that many seconds: give up
 # Linux balances an SO_REUSEPORT group's connections over its listeners; other kernels may not
 REUSE_PORT = sys.platform.startswith("linux")
@@ -78,8 +81,8 @@ def bind(host: str, port: int, name: str = "PORT", group: int = 0) -> list[socke
 def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig,
                                            list[list[socket.socket]], TextTokenizer]:
     """Everything that can fail in one line, before any process starts. The listening sockets
-    of each worker slot: a PORT socket of its own (on Linux; elsewhere one for all), then
-    ADMIN_PORT's, one for all, unless it is 0."""
+    of each slot: per worker slot a PORT socket of its own (on Linux; elsewhere one for all),
+    then, unless ADMIN_PORT is 0, the admin server's slot with ADMIN_PORT's."""
     workers = api_workers(settings)
     try:
         port = bind(settings.host, settings.port, group=workers if REUSE_PORT else 0)
@@ -87,7 +90,7 @@ def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig,
                  else [])
     except ConfigError as e:
         fail(str(e), 1)
-    sockets = [[port[slot % len(port)], *admin] for slot in range(workers)]
+    sockets = [[port[slot % len(port)]] for slot in range(workers)] + ([admin] if admin else [])
     from service.model.errors import ModelLoadError
     from service.model.files import check_model_path, model_tokenizer
 
@@ -127,8 +130,11 @@ class Supervisor:
         self.addrs = Addresses.in_dir(self.dir)
         QueueBoard(self.addrs.board, create=True).close()
         self.ctx = mp.get_context("spawn")
-        self.workers: dict[int, BaseProcess] = {}
+        self.workers: dict[int, BaseProcess] = {}  # the admin server's process among them
         self.slots: dict[int, int] = {}  # worker id -> its metrics slot (metrics.use_slot)
+        # the slot after the API workers' (None: ADMIN_PORT=0), and its process's worker id
+        self.admin_slot = server_cfg.api_workers if server_cfg.admin_port else None
+        self.admin: int | None = None
         self.next_worker = 0
         self.deaths: deque[float] = deque()
         self.signals: list[int] = []
@@ -145,7 +151,7 @@ class Supervisor:
         self.engine.start()
         log.info("started the engine (pid %d)", self.engine.pid)
         alive_w.close()  # the engine holds the only write end: its death is the readers' EOF
-        for slot in range(self.server_cfg.api_workers):
+        for slot in range(len(self.sockets)):
             self.spawn_worker(slot)
         log.info("serving %s on http://%s:%d: device=%s dtype=%s, %d API workers",
                  self.server_cfg.served_model_name, self.server_cfg.host, self.server_cfg.port,
@@ -160,12 +166,16 @@ class Supervisor:
         keeps them open: the connections the kernel queued on a dead worker's PORT socket, and
         those it hashes there until the replacement serves it, wait for the replacement."""
         i, self.next_worker = self.next_worker, self.next_worker + 1
-        p = self.ctx.Process(target=worker.run, name=f"worker-{i}", args=(
-            i, slot, self.engine_cfg, self.server_cfg, self.addrs, self.sockets[slot],
-            self.alive, self.tokenizer))
+        admin = slot == self.admin_slot
+        p = self.ctx.Process(target=worker.run, name=f"{'admin' if admin else 'worker'}-{i}",
+                             args=(i, slot, self.engine_cfg, self.server_cfg, self.addrs,
+                                   self.sockets[slot], self.alive, self.tokenizer, admin))
         p.start()
-        log.info("started API worker %d (pid %d)", i, p.pid)
+        log.info("started %s %d (pid %d)", "the admin server" if admin else "API worker", i,
+                 p.pid)
         self.workers[i], self.slots[i] = p, slot
+        if admin:
+            self.admin = i
 
     def worker_gone(self, i: int) -> int | None:
         """Cancel the dead worker's requests in the engine; restart it, or give up (exit code)."""
@@ -175,7 +185,9 @@ class Supervisor:
 
         p, slot = self.workers.pop(i), self.slots.pop(i)
         p.join(1.0)  # reaped: its exit code
-        log.warning("API worker %d (pid %d) exited with %s: restarting it", i, p.pid, p.exitcode)
+        log.warning("%s %d (pid %d) exited with %s: restarting it",
+                    "the admin server" if i == self.admin else "API worker", i, p.pid,
+                    p.exitcode)
         if self._push is None:
             self._push = zmq.Context.instance().socket(zmq.PUSH)
             self._push.setsockopt(zmq.LINGER, 0)
@@ -196,7 +208,7 @@ class Supervisor:
         """No worker is replaced in a drain: each PORT socket lives on only in its worker, and
         leaves the group when that worker has drained and exits, so new connections go to the
         workers still draining (and get their 503s), not to a socket no one serves."""
-        for sockets in self.sockets:
+        for sockets in self.sockets[:self.server_cfg.api_workers]:
             sockets[0].close()
 
     def on_signal(self, sig: int, _frame: object) -> None:
@@ -216,13 +228,15 @@ class Supervisor:
                 log.info("signal %d: draining for up to %gs", self.signals[0],
                          self.server_cfg.drain_timeout_s)
                 self.release_port()
+                self.signal_workers(admin=True)  # the admin server: /ready 503 from now
             if deadline is not None:
                 if len(self.signals) > handled:
                     handled = len(self.signals)
-                    self.signal_workers()  # a second one: stop now
+                    self.signal_workers()  # the first: drain; a second one: stop now
                 for s in ready:
                     self.workers.pop(sentinels[s])
-                if not self.workers:
+                if set(self.workers) <= {self.admin}:
+                    self.stop_admin()
                     return self.stop_engine(deadline)
                 if time.monotonic() > deadline:
                     log.error("shutdown took more than DRAIN_TIMEOUT_S + %gs: exiting now",
@@ -233,10 +247,23 @@ class Supervisor:
                 if (code := self.worker_gone(sentinels[s])) is not None:
                     return code
 
-    def signal_workers(self) -> None:
-        for p in self.workers.values():
-            if p.is_alive():
+    def signal_workers(self, admin: bool = False) -> None:
+        """SIGTERM to the API workers, or to the admin server only."""
+        for i, p in self.workers.items():
+            if (i == self.admin) == admin and p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
+
+    def stop_admin(self) -> None:
+        """Its second SIGTERM (the first began its drain): it stops; killed if it does not."""
+        p = self.workers.pop(self.admin, None) if self.admin is not None else None
+        if p is None:
+            return
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+        p.join(ADMIN_STOP_S)
+        if p.exitcode is None:
+            log.error("the admin server did not stop in time: killing it")
+            p.kill()
 
     def stop_engine(self, deadline: float) -> int:
         assert self.engine is not None
@@ -257,9 +284,11 @@ class Supervisor:
             # NOTE: an engine that failed has logged why (the one ERROR line of a bad start)
             log.info("the engine process exited with %s: stopping", code)
         self.signal_workers()
+        self.signal_workers(admin=True)  # it answers 503 until the workers are gone
         end = time.monotonic() + WORKER_STOP_S
-        for p in self.workers.values():
-            p.join(max(end - time.monotonic(), 0.0))
+        for i, p in self.workers.items():
+            if i != self.admin:
+                p.join(max(end - time.monotonic(), 0.0))
         self.stop_all(1)
         return 1
 

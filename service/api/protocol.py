@@ -1,7 +1,7 @@
 """The HTTP/1.1 connection layer: uvicorn's httptools protocol with limits on what a client holds.
 
 A POST to /v1/ that cannot be queued is answered from its head, before an ASGI task exists.
-Connections to ADMIN_PORT count against their own allowance, not MAX_CONNECTIONS."""
+A connection closed while its client still sends lingers, so the client reads the answer."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.api.admin import ADMIN_MAX_CONNECTIONS, AdminOnly
 from service.api.errors import error_bytes, reply
 
 log = logging.getLogger(__name__)
@@ -29,8 +28,7 @@ class ConnectionLimits:
     max_header_bytes: int
     header_timeout_s: float
     body_timeout_s: float
-    max_connections: int  # on PORT
-    admin_port: int = 0  # 0: no admin listener
+    max_connections: int
 
 
 def raw_response(status: int, body: bytes, headers: list[tuple[bytes, bytes]],
@@ -54,47 +52,67 @@ class _Answered:
 ANSWERED = _Answered()
 
 
+class _Lingering:
+    """The transport as uvicorn sees it: closing it while the request's body still comes in
+    lingers instead, so a response such as BodyLimit's 413 is read rather than reset."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedProtocol):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._protocol.in_body:
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._transport.is_closing()
+
+
 class GuardedProtocol(HttpToolsProtocol):
-    """Build with functools.partial for uvicorn.Config(http=...); `refusal()` may refuse early.
-    `admin_connections`, one set per server, holds its open ADMIN_PORT connections; uvicorn's
-    `self.connections` holds all of them, both listeners'."""
+    """Build with functools.partial for uvicorn.Config(http=...); `refusal()` may refuse early."""
 
     def __init__(self, *args: Any, limits: ConnectionLimits,
-                 admin_connections: set[GuardedProtocol],
                  count: Callable[[str], None] = lambda label: None,
                  refusal: Callable[[], Exception | None] = lambda: None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.limits, self.count, self.refusal = limits, count, refusal
-        self.admin_connections = admin_connections
-        self.admin = False  # accepted on ADMIN_PORT
         self._in_head = True  # between messages or inside a request head
         self._head_bytes = 0
         self._timer: asyncio.TimerHandle | None = None
         self._lingering = False
+        self._raw: asyncio.Transport | None = None  # the transport under _Lingering
+
+    @property
+    def in_body(self) -> bool:
+        """A request's head is in and its body is not: the client may still be sending."""
+        return not self._in_head and self.parser is not None
+
+    @property
+    def idle(self) -> bool:
+        """Between requests or inside a head: nothing of this connection's runs in the app."""
+        return self._in_head and (self.cycle is None or self.cycle.response_complete)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        # self.server: the local (address, port) from the transport's sockname
-        self.admin = (self.limits.admin_port != 0 and self.server is not None
-                      and self.server[1] == self.limits.admin_port)
-        if self.admin:
-            self.admin_connections.add(self)
-            self.app = AdminOnly(self.app)  # per request, pipelined ones included
-            if len(self.admin_connections) > ADMIN_MAX_CONNECTIONS:
-                self._refuse(503, "service_unavailable", "too_many_connections", "rejected",
-                             f"the admin port (ADMIN_PORT) holds {ADMIN_MAX_CONNECTIONS} "
-                             "connections; retry later")
-                return
-        elif len(self.connections) - len(self.admin_connections) > self.limits.max_connections:
-            self._refuse(503, "service_unavailable", "too_many_connections", "rejected",
-                         f"the server holds {self.limits.max_connections} connections "
-                         "(MAX_CONNECTIONS); retry later")
-            return
-        self._arm(self.limits.header_timeout_s, self._head_timeout)
+        self._raw = transport
+        super().connection_made(_Lingering(transport, self))  # type: ignore[arg-type]
+        if self.admit():
+            self._arm(self.limits.header_timeout_s, self._head_timeout)
+
+    def admit(self) -> bool:
+        """Whether to serve this new connection; a refused one is answered and closed."""
+        if len(self.connections) <= self.limits.max_connections:
+            return True
+        self._refuse(503, "service_unavailable", "too_many_connections", "rejected",
+                     f"the server holds {self.limits.max_connections} connections "
+                     "(MAX_CONNECTIONS); retry later")
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self.admin_connections.discard(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -122,7 +140,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.limits.body_timeout_s, self._body_timeout)
-        if (not self.admin and self.url.startswith(b"/v1/") and self.parser.get_method() == b"POST"
+        if (self.url.startswith(b"/v1/") and self.parser.get_method() == b"POST"
                 and (self.cycle is None or self.cycle.response_complete)
                 and (exc := self.refusal()) is not None):
             self._answer_from_head(exc)
@@ -183,14 +201,14 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         if cycle is not None and cycle.response_complete and not self._in_head:
-            self.transport.close()  # the body of a request already answered (e.g. a 429)
+            self._raw.close()  # the body of a request already answered (e.g. a 429)
             return
         if cycle is not None and not cycle.response_complete:
             # NOTE: the app's receive() now returns http.disconnect; its sends are dropped
             cycle.disconnected = True
             cycle.message_event.set()
             if cycle.response_started:
-                self.transport.close()
+                self._raw.close()
                 return
         log.debug("%s: %d %s", self.client, status, message)
         self.count(label)
@@ -199,10 +217,17 @@ class GuardedProtocol(HttpToolsProtocol):
         self._linger()
 
     def _linger(self) -> None:
+        """Shut the write side, discard what the client still sends, close after LINGER_S (or
+        at the client's EOF): closing on unread input would reset the connection."""
         self._disarm()
-        if not self.transport.can_write_eof():
-            self.transport.close()
+        raw = self._raw
+        assert raw is not None, "connection_made sets the raw transport"
+        if self._lingering or raw.is_closing():
             return
-        self.transport.write_eof()
+        if not raw.can_write_eof():
+            raw.close()
+            return
+        raw.write_eof()
         self._lingering = True
-        self.loop.call_later(LINGER_S, self.transport.close)
+        self.flow.resume_reading()  # uvicorn pauses it under a large body
+        self.loop.call_later(LINGER_S, raw.close)

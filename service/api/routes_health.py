@@ -10,6 +10,7 @@ from service.api.deps import State
 router = APIRouter(tags=["health"])
 
 
+@router.head("/health", include_in_schema=False)  # probes may send HEAD
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
     """Liveness: 200 while the engine process is alive (also while loading), 503 once it died."""
@@ -19,6 +20,7 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "dead", "state": engine.state, "error": engine.error}, 503)
 
 
+@router.head("/ready", include_in_schema=False)
 @router.get("/ready")
 async def ready(state: State) -> JSONResponse:
     """Readiness: 503 until load + capture + KV sizing are done, and while draining."""

@@ -10,6 +10,7 @@ from service.api.deps import State
 router = APIRouter(tags=["metrics"])
 
 
+@router.head("/metrics", include_in_schema=False)
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
     snapshot = state.snapshot(await state.engine.stats())

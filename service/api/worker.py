@@ -1,6 +1,7 @@
-"""An API worker process: uvicorn on its slot's listening sockets (PORT's, its own; ADMIN_PORT's,
-shared). SIGTERM drains (503 to new requests, DRAIN_TIMEOUT_S for those in flight, then a JSON
-503); a second one cuts it short."""
+"""A process of the service's HTTP side: an API worker (uvicorn on its PORT socket; SIGTERM
+drains: 503 to new requests, DRAIN_TIMEOUT_S for those in flight, then a JSON 503; a second one
+cuts it short) or the admin server (ADMIN_PORT: probes and scrapes, in a process of its own so
+that no client request can hold them)."""
 
 from __future__ import annotations
 
@@ -74,21 +75,38 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+class AdminServer(uvicorn.Server):
+    """SIGTERM marks the drain (/ready answers 503) and the probes keep being answered; the
+    next one, which the supervisor sends once the API workers have exited, stops it."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        state = self.config.app.state.prefill
+        if state.draining:
+            self.should_exit = True
+        else:
+            state.begin_drain()
+
+
 def uvicorn_config(app: FastAPI, server_cfg: ServerConfig, *, workers: int = 1,
-                   **overrides: Any) -> uvicorn.Config:
+                   admin: bool = False, **overrides: Any) -> uvicorn.Config:
+    """The API workers' server on PORT, or with `admin` the admin server's on ADMIN_PORT."""
+    from service.api.admin import ADMIN_IDLE_S, admin_protocol
     from service.api.protocol import ConnectionLimits, GuardedProtocol
 
-    limits = ConnectionLimits(server_cfg.max_header_bytes, server_cfg.header_timeout_s,
-                              server_cfg.body_timeout_s,
-                              math.ceil(server_cfg.max_connections / workers),
-                              server_cfg.admin_port)
     state = app.state.prefill
-    # admin_connections: ADMIN_PORT's open connections, shared by this server's protocols
-    protocol = functools.partial(GuardedProtocol, limits=limits, count=state.metrics.count,
-                                 refusal=state.refusal, admin_connections=set())
-    kw = dict(http=protocol, ws="none", lifespan="on", log_level=server_cfg.log_level,
-              access_log=server_cfg.access_log, timeout_graceful_shutdown=RESPONSE_FLUSH_S,
-              log_config=None)
+    kw: dict[str, Any] = dict(
+        ws="none", lifespan="on", log_level=server_cfg.log_level,
+        access_log=server_cfg.access_log, timeout_graceful_shutdown=RESPONSE_FLUSH_S,
+        log_config=None)
+    if admin:
+        kw.update(http=admin_protocol(server_cfg.max_header_bytes, state.metrics.count),
+                  timeout_keep_alive=ADMIN_IDLE_S)
+    else:
+        limits = ConnectionLimits(server_cfg.max_header_bytes, server_cfg.header_timeout_s,
+                                  server_cfg.body_timeout_s,
+                                  math.ceil(server_cfg.max_connections / workers))
+        kw["http"] = functools.partial(GuardedProtocol, limits=limits,
+                                       count=state.metrics.count, refusal=state.refusal)
     return uvicorn.Config(app, **{**kw, **overrides})
 
 
@@ -105,9 +123,10 @@ def watchdog(server: DrainingServer) -> None:
 
 def run(worker: int, slot: int, engine_cfg: EngineConfig, server_cfg: ServerConfig,
         addrs: Addresses, sockets: list[socket.socket], alive: Connection,
-        tokenizer: TextTokenizer) -> None:
-    """API worker `worker` (the engine routes replies by it: new for every process); `slot`
-    names its metric files and passes from a dead worker to its replacement."""
+        tokenizer: TextTokenizer, admin: bool = False) -> None:
+    """API worker `worker`, or with `admin` the admin server (the engine routes replies by
+    `worker`: new for every process); `slot` names its metric files and passes from a dead
+    process to its replacement."""
     setup_child(server_cfg.log_level, "service.worker")
     from service.api.app import create_app
     from service.api.engine_client import EngineClient
@@ -119,10 +138,13 @@ def run(worker: int, slot: int, engine_cfg: EngineConfig, server_cfg: ServerConf
                           key_page_size=engine_cfg.page_size if engine_cfg.prefix_cache else 0,
                           request_timeout_s=server_cfg.request_timeout_s)
     app = create_app(engine_cfg, server_cfg, engine, tokenizer)
-    server = DrainingServer(uvicorn_config(app, server_cfg, workers=server_cfg.api_workers),
-                            server_cfg.drain_timeout_s)
-    threading.Thread(target=watchdog, args=(server,), name="shutdown-watchdog",
-                     daemon=True).start()
+    config = uvicorn_config(app, server_cfg, workers=server_cfg.api_workers, admin=admin)
+    if admin:
+        server: uvicorn.Server = AdminServer(config)
+    else:
+        server = DrainingServer(config, server_cfg.drain_timeout_s)
+        threading.Thread(target=watchdog, args=(server,), name="shutdown-watchdog",
+                         daemon=True).start()
     freeze_heap()
-    server.run(sockets=sockets)  # PORT's and ADMIN_PORT's: one server, one event loop
+    server.run(sockets=sockets)
     exit_now(0 if server.started else 3)

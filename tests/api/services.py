@@ -55,9 +55,13 @@ class Service:
             stderr=subprocess.STDOUT,
             env=service_env(HOST="127.0.0.1", PORT=str(port), LOG_LEVEL="info", **env))
         if wait:
-            wait_for(lambda: self.status("/ready") == 200 or self.proc.poll() is not None, 120,
-                     "/ready")
-            assert self.proc.poll() is None, self.tail()
+            try:
+                wait_for(lambda: self.status("/ready") == 200 or self.proc.poll() is not None,
+                         120, "/ready")
+                assert self.proc.poll() is None, self.tail()
+            except AssertionError:
+                self.close()  # no fixture holds it yet: nothing else would stop it
+                raise
 
     def tail(self, chars: int = 4000) -> str:
         self.log.flush()
@@ -68,7 +72,8 @@ class Service:
         return sorted(self.tmpdir.glob("triton-prefill-*"))
 
     def pids(self, what: str) -> list[int]:
-        """Live pids the supervisor logged as started: "the engine" or "API worker"."""
+        """Live pids the supervisor logged as started: "the engine", "API worker" or "the admin
+        server"."""
         found = re.findall(rf"started {what}[^(\n]*\(pid (\d+)\)", self.tail(10**7))
         return [int(p) for p in found if running(int(p))]
 
@@ -101,7 +106,7 @@ class Service:
         return out
 
     def close(self) -> None:
-        children = self.pids("the engine") + self.pids("API worker")
+        children = self.pids("the engine") + self.pids("API worker") + self.pids("the admin server")
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

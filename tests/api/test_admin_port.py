@@ -1,6 +1,6 @@
 """ADMIN_PORT: probes and scrapes keep being answered while clients hold every connection
-MAX_CONNECTIONS allows; each listener counts its own connections; the admin port serves only
-GET /health, /ready and /metrics."""
+MAX_CONNECTIONS allows; past its allowance the admin server sheds its oldest idle connections
+instead of refusing new ones; the admin port serves only GET /health, /ready and /metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from service.api.admin import NOT_SERVED
+from service.api.admin import ADMIN_IDLE_S, NOT_SERVED
 from service.api.worker import uvicorn_config
 from tests.api.conftest import LiveApp, free_port, metric, wait_for
 from tests.api.services import REPO, service_env
@@ -83,17 +83,18 @@ def listening() -> Callable[[], socket.socket]:
 @pytest.fixture
 def served_two(make_app: Callable[..., LiveApp],
                listening: Callable[[], socket.socket]) -> Iterator[Callable[..., tuple[str, str]]]:
-    """served_two(**env) -> (PORT's URL, ADMIN_PORT's URL): the app under one real uvicorn
-    server on two loopback sockets, configured as the workers are."""
+    """served_two(**env) -> (PORT's URL, ADMIN_PORT's URL): the app under two real uvicorn
+    servers on loopback sockets, configured as an API worker's and the admin server's are."""
     servers: list[tuple[uvicorn.Server, Any]] = []
 
     def serve(**env: Any) -> tuple[str, str]:
         main, admin = listening(), listening()
         live = make_app(admin_port=admin.getsockname()[1], **env)
-        uv = uvicorn.Server(uvicorn_config(live.app, live.state.server_cfg, lifespan="off",
-                                           log_level="warning"))
-        servers.append((uv, live.submit(uv.serve(sockets=[main, admin]))))
-        wait_for(lambda: uv.started, 10, "uvicorn start")
+        for sock, is_admin in ((main, False), (admin, True)):
+            uv = uvicorn.Server(uvicorn_config(live.app, live.state.server_cfg, admin=is_admin,
+                                               lifespan="off", log_level="warning"))
+            servers.append((uv, live.submit(uv.serve(sockets=[sock]))))
+            wait_for(lambda uv=uv: uv.started, 10, "uvicorn start")
         return tuple(f"http://127.0.0.1:{s.getsockname()[1]}" for s in (main, admin))
 
     yield serve
@@ -102,13 +103,15 @@ def served_two(make_app: Callable[..., LiveApp],
         done.result(10)
 
 
-def test_each_listener_counts_its_own_connections(served_two, monkeypatch) -> None:
-    monkeypatch.setattr("service.api.protocol.ADMIN_MAX_CONNECTIONS", 4)
+def test_past_its_allowance_the_admin_port_sheds_the_oldest_idle_connection(
+        served_two, monkeypatch) -> None:
+    monkeypatch.setattr("service.api.admin.ADMIN_MAX_CONNECTIONS", 4)
+    monkeypatch.setattr("service.api.admin.ADMIN_IDLE_S", 30.0)  # no closes but the shedding
     url, admin = served_two(max_connections=3)
     opened: list[socket.socket] = []
     try:
-        opened += (held := fill(url, 3))
-        refused(s := connect(url))  # PORT is full
+        opened += fill(url, 3)
+        refused(s := connect(url))  # PORT is full, and refuses
         s.close()
         # ADMIN_PORT takes its 4 connections whatever PORT holds, and answers on each
         opened += (probes := [connect(admin) for _ in range(4)])
@@ -116,20 +119,37 @@ def test_each_listener_counts_its_own_connections(served_two, monkeypatch) -> No
             s.sendall(GET_KEEP % b"/health")
             status, _, body = parse(read_response(s))
             assert status == 200 and body["status"] == "ok", body
-        refused(s := connect(admin))  # the fifth is past the admin allowance
-        s.close()
-        # the 4 admin connections do not count against PORT: one freed slot takes a client.
-        # NOTE: no retry loop: each refused try would hold the slot for its 1 s linger
-        held.pop().close()
-        time.sleep(0.5)  # the server has seen the close
-        assert exchange(url, GET_CLOSE % b"/health")[0] == 200
-        # and a closed admin connection gives its slot back
-        probes.pop().close()
-        time.sleep(0.5)
+        time.sleep(0.2)  # past ADMIN_GRACE_S: each of the 4 may be shed
+        # a fifth is served, and the oldest idle one is closed for it
         assert exchange(admin, GET_CLOSE % b"/ready")[0] == 200
+        assert answered_within(probes, 1.0) == probes[:1] and read_all(probes[0]) == b""
+        for s in probes[1:]:  # the others stay open and keep answering
+            s.sendall(GET_KEEP % b"/health")
+            assert parse(read_response(s))[0] == 200
     finally:
         for s in opened:
             s.close()
+
+
+def test_idle_admin_connections_close_fast(served_two) -> None:
+    """An idle keep-alive connection and a partial head each close within ADMIN_IDLE_S."""
+    _, admin = served_two()
+    with connect(admin) as idle, connect(admin) as partial:
+        idle.sendall(GET_KEEP % b"/health")
+        assert parse(read_response(idle))[0] == 200
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        assert len(answered_within([idle, partial], ADMIN_IDLE_S + 2.0)) == 2
+        assert time.monotonic() - t0 < ADMIN_IDLE_S + 2.0
+        assert read_all(idle) == b""
+        assert parse(read_all(partial))[0] == 408
+
+
+def test_head_probes_answer_without_a_body(served_two) -> None:
+    _, admin = served_two()
+    for path in ("/health", "/ready", "/metrics"):
+        r = httpx.head(admin + path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
 
 
 def test_the_admin_port_serves_probes_and_scrapes_only(served_two) -> None:

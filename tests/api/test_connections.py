@@ -152,3 +152,26 @@ def test_an_error_past_every_handler_is_a_json_500(served) -> None:
     assert "ZeroDivisionError: tokenizer exploded" in r.json()["error"]["message"]
     assert metric(httpx.get(url + "/metrics").text, "prefill_requests_total",
                   status="error") == 1
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_oversized_body_reads_its_413_never_a_reset(served, framing) -> None:
+    """A client that sends all of its 9 MB body before it reads (as most do) gets the 413 and
+    a clean close every time: the server reads and discards the rest before it closes."""
+    url = served()
+    body = b"x" * 9_000_000
+    if framing == "chunked":
+        step = 1 << 16
+        body = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + step]), body[i:i + step])
+                        for i in range(0, len(body), step)) + b"0\r\n\r\n"
+        head = b"Transfer-Encoding: chunked"
+    else:
+        head = b"Content-Length: %d" % len(body)
+    request = (b"POST /v1/prefill HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               + head + b"\r\n\r\n" + body)
+    for _ in range(30 if framing == "content-length" else 10):
+        with connect(url) as s:
+            s.sendall(request)  # a reset raises here, or in read_all
+            status, headers, reply = parse(read_all(s))
+        assert status == 413 and reply["error"]["code"] == "request_too_large", reply
+        assert headers["connection"] == "close"

@@ -85,6 +85,23 @@ def one(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
+def named(docs: list[dict], kind: str, name: str) -> dict:
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+CLIENT_SERVICE, METRICS_SERVICE = "triton-prefill", "triton-prefill-metrics"
+
+
+def scrape_job(docs: list[dict]) -> str:
+    """The `job` label Prometheus gives our targets: the scraped Service's jobLabel label, or
+    its name without one (the Prometheus Operator's rule)."""
+    mon = one(docs, "ServiceMonitor")["spec"]
+    svc = named(docs, "Service", METRICS_SERVICE)
+    meta = svc["metadata"]
+    return meta["labels"][mon["jobLabel"]] if "jobLabel" in mon else meta["name"]
+
+
 def container(docs: list[dict]) -> dict:
     containers = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert len(containers) == 1, "one container per pod expected"

@@ -7,15 +7,10 @@ from __future__ import annotations
 
 import epp_config
 import pytest
-from deploy_testlib import OVERLAYS, effective_env
+from deploy_testlib import OVERLAYS, effective_env, named
 
 ENGINE_LABEL = "llm-d.ai/engine-type"  # the extractor's engineLabelKey when the config sets none
 PREFILL = "triton-prefill"  # the prefill Deployment (deploy/base/deployment.yaml)
-
-
-def named(docs: list[dict], kind: str, name: str) -> dict:
-    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    return found
 
 
 def the(docs: list[dict], kind: str) -> dict:
@@ -47,7 +42,7 @@ def test_pool_selects_the_prefill_pods_on_port(overlay: str, rendered, rendered_
     pool = the(docs, "InferencePool")["spec"]
     prefill = named(docs, "Deployment", PREFILL)
     assert selects(pool["selector"]["matchLabels"], pod_labels(prefill))
-    # the same pods as the Service that clients and the ServiceMonitor use
+    # the same pods as the Service that clients use
     assert pool["selector"]["matchLabels"] == named(docs, "Service", PREFILL)["spec"]["selector"]
     picker = named(docs, "Deployment", pool["endpointPickerRef"]["name"])
     assert not selects(pool["selector"]["matchLabels"], pod_labels(picker))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from deploy_testlib import OVERLAYS, one
+from deploy_testlib import OVERLAYS, one, scrape_job
 
 
 def prometheus_trigger(spec: dict) -> dict:
@@ -35,4 +35,4 @@ def test_query_counts_only_this_deployment(overlay: str, rendered_with_keda) -> 
     labels = dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', selector))
     # The HPA's Pods metric is per namespace by construction; the query must say so itself.
     assert labels.get("namespace"), f'no namespace="..." in {query}'
-    assert labels.get("job") == one(docs, "Service")["metadata"]["name"], query
+    assert labels.get("job") == scrape_job(docs), query

@@ -9,7 +9,18 @@ import kubernetes_validate
 import pytest
 import yaml
 from crd_checks import CRD_CHECKS
-from deploy_testlib import DEPLOY, OVERLAYS, container, effective_env, load_yaml_docs, one
+from deploy_testlib import (
+    CLIENT_SERVICE,
+    DEPLOY,
+    METRICS_SERVICE,
+    OVERLAYS,
+    container,
+    effective_env,
+    load_yaml_docs,
+    named,
+    one,
+    scrape_job,
+)
 
 # The oldest Kubernetes we support (native sidecars, HPA v2 and PDB v1 are older) and the newest
 # schema kubernetes-validate ships.
@@ -88,6 +99,7 @@ def test_overlay_renders_and_validates(overlay: str, rendered) -> None:
         [
             "ConfigMap",
             "Deployment",
+            "Service",
             "Service",
             "ServiceMonitor",
             "PrometheusRule",
@@ -198,12 +210,14 @@ def test_probes(overlay: str, rendered) -> None:
     startup = c["startupProbe"]
     budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
     assert budget >= 300, f"startupProbe allows only {budget}s for weights + graph capture"
-    svc = one(docs, "Service")
-    ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert ports["http"]["port"] == 8000 and resolve_port(c, ports["http"]["targetPort"]) == listen
+    # clients reach PORT only: the admin port is on no Service a client is routed to
+    client = named(docs, "Service", CLIENT_SERVICE)
+    assert [resolve_port(c, p["targetPort"]) for p in client["spec"]["ports"]] == [listen]
+    assert client["spec"]["ports"][0]["port"] == 8000
+    ports = {p["name"]: p for p in named(docs, "Service", METRICS_SERVICE)["spec"]["ports"]}
     scraped = [ports[ep["port"]] for ep in one(docs, "ServiceMonitor")["spec"]["endpoints"]]
     assert scraped and all(resolve_port(c, p["targetPort"]) == admin for p in scraped), (
-        "the ServiceMonitor should scrape the Service port that targets ADMIN_PORT"
+        "the ServiceMonitor should scrape the metrics Service's port that targets ADMIN_PORT"
     )
 
 
@@ -306,21 +320,23 @@ def test_selectors_line_up(overlay: str, rendered) -> None:
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     subset = lambda sel, labels: all(labels.get(k) == v for k, v in sel.items())  # noqa: E731
     assert subset(dep["spec"]["selector"]["matchLabels"], pod_labels)
-    svc = one(docs, "Service")
-    assert subset(svc["spec"]["selector"], pod_labels), "Service selects no pod"
+    client, svc = (named(docs, "Service", n) for n in (CLIENT_SERVICE, METRICS_SERVICE))
+    for s in (client, svc):
+        assert subset(s["spec"]["selector"], pod_labels), f"{s['metadata']['name']} selects no pod"
     assert subset(one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pod_labels)
     mon = one(docs, "ServiceMonitor")
     assert subset(mon["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    assert not subset(mon["spec"]["selector"]["matchLabels"], client["metadata"]["labels"])
     svc_ports = {p["name"] for p in svc["spec"]["ports"]}
     assert all(ep["port"] in svc_ports for ep in mon["spec"]["endpoints"])
     assert all(ep.get("path", "/metrics") == "/metrics" for ep in mon["spec"]["endpoints"])
     hpa = one(docs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     assert "replicas" not in dep["spec"], "the HPA owns the replica count"
-    # The not-ready alert selects up{job="<Service name>"} (the ServiceMonitor's default job label).
+    # The not-ready alert selects up{job="..."}, the job the ServiceMonitor gives the targets.
     rules = one(docs, "PrometheusRule")
     exprs = " ".join(r["expr"] for g in rules["spec"]["groups"] for r in g["rules"])
-    assert f'up{{job="{svc["metadata"]["name"]}"}}' in exprs
+    assert f'up{{job="{scrape_job(docs)}"}}' in exprs
     # kube-state-metrics names the Deployment in its `deployment` label.
     deployments = set(re.findall(r'kube_deployment_\w+\{[^}]*deployment="([^"]*)"', exprs))
     assert deployments == {dep["metadata"]["name"]}, deployments

@@ -27,6 +27,7 @@ from deploy_testlib import (
     http_status,
     load_yaml_docs,
     require_tool,
+    scrape_job,
     stop_process,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,8 +35,9 @@ from promql import foreign_metrics, metric_names, operands, selectors, substitut
 
 pytestmark = pytest.mark.slow
 
-# The job label the ServiceMonitor gives our targets is the Service name; alerts select on it.
-JOB = load_yaml_docs((DEPLOY / "base" / "service.yaml").read_text())[0]["metadata"]["name"]
+# The job label the ServiceMonitor gives our targets; alerts select on it.
+JOB = scrape_job([d for f in ("service-metrics.yaml", "servicemonitor.yaml")
+                  for d in load_yaml_docs((DEPLOY / "base" / f).read_text())])
 SCRAPE_INTERVAL_S = 1
 QUERY_DEADLINE_S = 60.0
 
@@ -101,7 +103,7 @@ def prometheus(
                     {
                         "job_name": JOB,
                         "metrics_path": "/metrics",
-                        # ADMIN_PORT, as the ServiceMonitor scrapes the Service's `admin` port
+                        # ADMIN_PORT, as the ServiceMonitor scrapes the metrics Service's port
                         "static_configs": [
                             {"targets": [f"127.0.0.1:{prefill_service.admin_port}"]}
                         ],
