@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 from fastapi import Depends, Header, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from service.api.errors import Unauthorized
@@ -20,6 +21,7 @@ from service.engine.interface import PromptResult, SamplingParams
 # Logprobs an answer may report and still be built on the event loop (a few milliseconds)
 INLINE_LOGPROBS = 4096
 JSON_PIECE = 256  # items of a json_array made and encoded at a time
+JSON_IDS_PIECE = 1 << 16  # ids of a json_ids encoded at a time
 _encoder = msgspec.json.Encoder()
 
 
@@ -51,6 +53,23 @@ def json_array(items: Iterable[Any]) -> msgspec.Raw:
     while piece := list(itertools.islice(it, JSON_PIECE)):
         parts.append(_encoder.encode(piece)[1:-1])
     return msgspec.Raw(b"[" + b",".join(parts) + b"]")
+
+
+def json_ids(ids: np.ndarray) -> msgspec.Raw:
+    """`ids` as one JSON array, encoded JSON_IDS_PIECE at a time (as json_array)."""
+    return msgspec.Raw(b"[" + b",".join(
+        _encoder.encode(ids[i:i + JSON_IDS_PIECE].tolist())[1:-1]
+        for i in range(0, len(ids), JSON_IDS_PIECE)) + b"]")
+
+
+def parts_response(parts: list[bytes]) -> Response:
+    """The JSON answer `parts` make, sent a part at a time: no join holds the loop for long."""
+    async def chunks() -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    return StreamingResponse(chunks(), media_type="application/json",
+                             headers={"Content-Length": str(sum(map(len, parts)))})
 
 
 async def json_answer(logprobs: int, build: Callable[[], BaseModel | Any]) -> Response:

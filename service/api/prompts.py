@@ -15,18 +15,23 @@ from service.api.fields import truncated
 from service.api.state import AppState
 from service.config import clip
 from service.engine.interface import NotReady, PromptResult, SamplingParams
+from service.model.text_pieces import RunTooLong
 
 T = TypeVar("T")
 
 # Bodies up to this size are tokenized on the event loop; larger ones in a worker thread
 INLINE_BODY_BYTES = 2048
+BIG_BODY_BYTES = 1 << 20  # larger bodies take turns (AppState.big_inputs): one's memory at once
 
 
-async def off_loop(http: HTTPRequest, fn: Callable[..., T], *args) -> T:
+async def off_loop(state: AppState, http: HTTPRequest, fn: Callable[..., T], *args) -> T:
     size = http.headers.get("content-length", "")
     if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
         return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    if size.isdigit() and int(size) <= BIG_BODY_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    async with state.big_inputs:
+        return await asyncio.to_thread(fn, *args)
 
 
 def check_model(state: AppState, model: str | None) -> None:
@@ -44,7 +49,7 @@ async def tokenized(state: AppState, http: HTTPRequest, model: str | None,
                     fn: Callable[..., T], *args) -> T:
     require_ready(state)
     check_model(state, model)
-    return await off_loop(http, fn, *args)
+    return await off_loop(state, http, fn, *args)
 
 
 def too_long(name: str, count: str, state: AppState) -> PromptTooLong:
@@ -55,20 +60,24 @@ def too_long(name: str, count: str, state: AppState) -> PromptTooLong:
 
 def encode_texts(state: AppState, texts: Sequence[str], field: str, single: bool,
                  add_special: bool = True, truncate: int | None = None) -> list[list[int]]:
-    """Token ids of each text; an over-long one is refused after about `limit` tokens of work
-    (unless `truncate` keeps only its last tokens: then it is encoded whole)."""
+    """Token ids of each text; an over-long one is refused after about `limit` tokens of work.
+    `truncate` (vLLM's truncate_prompt_tokens): the last tokens, from the tail they need."""
     out = []
     limit = state.max_prompt_tokens
+    keep = None if truncate is None else min(limit if truncate == -1 else truncate, limit + 1)
     for i, text in enumerate(texts):
         name = field if single else f"{field}[{i}]"
         if not text:
             raise BadInput(f"{name} is empty", name)
-        if truncate is not None:
-            ids = state.tokenizer.encode(text, add_special)
-        elif (ids := state.tokenizer.encode_within(text, limit, add_special)) is None:
+        try:
+            ids = (state.tokenizer.encode_within(text, limit, add_special) if keep is None
+                   else state.tokenizer.encode_tail(text, keep, add_special))
+        except RunTooLong as e:
+            raise BadInput(f"{name}: {e}", name) from None
+        if ids is None or (keep is not None and len(ids) > limit):
             raise too_long(name, f"more than {limit}", state)
         out.append(ids)
-    return check_ids(state, out, field, single, truncate)
+    return check_ids(state, out, field, single)
 
 
 def check_ids(state: AppState, prompts: list[list[int]], field: str,
@@ -95,11 +104,16 @@ def check_vocab(ids: Sequence[int] | np.ndarray, vocab: int, name: str) -> None:
     """Every id of `ids` is a token of the vocabulary, else a 400 naming the first that is not."""
     if not len(ids):
         return
-    lo, hi = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
-    if lo < 0 or hi >= vocab:
-        j, t = next((j, int(t)) for j, t in enumerate(ids) if not 0 <= t < vocab)
-        raise BadInput(f"{name}[{j}] = {t} is not a token id of this model "
-                       f"(0 <= id < {vocab})", f"{name}[{j}]")
+    if isinstance(ids, np.ndarray):
+        if ids.min() >= 0 and ids.max() < vocab:
+            return
+        j = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
+    elif min(ids) >= 0 and max(ids) < vocab:
+        return
+    else:
+        j = next(j for j, t in enumerate(ids) if not 0 <= t < vocab)
+    raise BadInput(f"{name}[{j}] = {int(ids[j])} is not a token id of this model "
+                   f"(0 <= id < {vocab})", f"{name}[{j}]")
 
 
 def named_ids(state: AppState, ids: list[int] | None,

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from service.api.bodies import FastJSONRoute
 from service.api.chat_template import generation_prompt, render, texts
 from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.deps import State, json_answer, logprob_count, require_api_key
@@ -34,7 +35,8 @@ from service.api.state import AppState
 from service.config import clip
 from service.engine.interface import PositionLogprobs, PromptResult
 
-router = APIRouter(prefix="/v1", tags=["chat"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["chat"], dependencies=[Depends(require_api_key)],
+                   route_class=FastJSONRoute)
 
 MIN_LOGPROB = -9999.0  # vLLM's floor for a reported logprob (-inf is not JSON)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from service.api.bodies import FastJSONRoute
 from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.deps import State, json_answer, logprob_count, require_api_key
 from service.api.errors import BadInput
@@ -27,7 +28,8 @@ from service.api.schemas import (
 from service.api.state import AppState
 from service.engine.interface import PositionLogprobs, PromptResult
 
-router = APIRouter(prefix="/v1", tags=["completions"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["completions"], dependencies=[Depends(require_api_key)],
+                   route_class=FastJSONRoute)
 
 
 def check_supported(body: CompletionRequest) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from service.api.bodies import FastJSONRoute
 from service.api.deps import State, json_answer, json_array, logprob_count, require_api_key
 from service.api.fields import sampling_params
 from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
@@ -16,7 +17,8 @@ from service.api.schemas import PrefillRequest, PrefillResponse
 from service.api.state import AppState
 from service.engine.interface import PromptResult, TokenLogprob
 
-router = APIRouter(prefix="/v1", tags=["prefill"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["prefill"], dependencies=[Depends(require_api_key)],
+                   route_class=FastJSONRoute)
 
 
 def prompt_ids(state: AppState, body: PrefillRequest) -> list[list[int]]:

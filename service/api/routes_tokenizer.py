@@ -1,14 +1,28 @@
 """vLLM's tokenizer routes: POST /tokenize and /detokenize, GET /tokenizer_info, at the root
 (where lm-eval's remote tokenizer calls them) and under /v1/. They use the API worker's own
-tokenizer, never the engine; they answer once the engine has reported the model's limits."""
+tokenizer, never the engine; they answer once the engine has reported the model's limits.
+As vLLM's /tokenize, it returns every token; long texts and answers go a piece at a time."""
 
 from __future__ import annotations
 
+import itertools
+
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from service.api.bodies import FastJSONRoute, parse_body
 from service.api.chat_template import generation_prompt, render
-from service.api.deps import State, json_response, require_api_key
+from service.api.deps import (
+    JSON_PIECE,
+    State,
+    json_array,
+    json_ids,
+    json_response,
+    parts_response,
+    require_api_key,
+)
+from service.api.errors import BadInput
 from service.api.prompts import check_model, check_vocab, off_loop
 from service.api.schemas_tokenizer import (
     DetokenizeRequest,
@@ -19,9 +33,11 @@ from service.api.schemas_tokenizer import (
 )
 from service.api.state import AppState
 from service.engine.interface import NotReady
+from service.model.text_pieces import RunTooLong
 from service.model.tokenizer_export import tokenizer_config
 
-router = APIRouter(tags=["tokenizer"], dependencies=[Depends(require_api_key)])
+router = APIRouter(tags=["tokenizer"], dependencies=[Depends(require_api_key)],
+                   route_class=FastJSONRoute)
 
 
 def max_model_len(state: AppState) -> int:
@@ -32,7 +48,14 @@ def max_model_len(state: AppState) -> int:
     return state.max_prompt_tokens
 
 
-def _tokenize(state: AppState, body: TokenizeRequest, limit: int) -> TokenizeResponse:
+# A /detokenize answer is at most this many times MAX_BODY_BYTES (its text's JSON)
+TEXT_PER_BODY_BYTE = 8
+_encoder = msgspec.json.Encoder()
+_DETOKENIZE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": DetokenizeRequest.model_json_schema()}}}}
+
+
+def _tokenize(state: AppState, body: TokenizeRequest, limit: int) -> bytes:
     if body.messages is not None:
         text = render(state.tokenizer, body.messages,
                       add_generation_prompt=generation_prompt(body.add_generation_prompt,
@@ -43,14 +66,33 @@ def _tokenize(state: AppState, body: TokenizeRequest, limit: int) -> TokenizeRes
     else:
         text = body.prompt
         add_special = body.add_special_tokens is not False
-    ids = state.tokenizer.encode(text, add_special)
-    strs = [state.tokenizer.token_str(i) for i in ids] if body.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids, token_strs=strs)
+    try:
+        ids = state.tokenizer.encode_all(text, add_special)
+    except RunTooLong as e:
+        field = "prompt" if body.messages is None else "messages"
+        raise BadInput(f"{field}: {e}", field) from None
+    strs = None
+    if body.return_token_strs:
+        strs = json_array(itertools.chain.from_iterable(
+            map(state.tokenizer.token_str, ids[i:i + JSON_PIECE].tolist())
+            for i in range(0, len(ids), JSON_PIECE)))
+    return _encoder.encode({"count": len(ids), "max_model_len": limit, "tokens": json_ids(ids),
+                            "token_strs": strs})
 
 
-def _detokenize(state: AppState, body: DetokenizeRequest) -> DetokenizeResponse:
-    check_vocab(body.tokens, state.tokenizer.vocab_size, "tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+def _detokenize(state: AppState, raw: bytes) -> list[bytes]:
+    body, ids = parse_body(raw, DetokenizeRequest, "tokens")
+    check_model(state, body.model)
+    check_vocab(ids, state.tokenizer.vocab_size, "tokens")
+    most = TEXT_PER_BODY_BYTE * state.server_cfg.max_body_bytes
+    parts, size = [], 0
+    for text in state.tokenizer.decode_pieces(ids):
+        parts.append(_encoder.encode(text)[1:-1])
+        size += len(parts[-1])
+        if size > most:
+            raise BadInput(f"the text of these tokens is more than {most} bytes (the limit: "
+                           f"{TEXT_PER_BODY_BYTE} x MAX_BODY_BYTES)", "tokens")
+    return [b'{"prompt":"', *parts, b'"}']
 
 
 async def tokenize(body: TokenizeRequest, state: State, request: Request) -> Response:
@@ -59,13 +101,14 @@ async def tokenize(body: TokenizeRequest, state: State, request: Request) -> Res
     their count, and the longest prompt served."""
     check_model(state, body.model)
     limit = max_model_len(state)
-    return json_response(await off_loop(request, _tokenize, state, body, limit))
+    return Response(await off_loop(state, request, _tokenize, state, body, limit),
+                    media_type="application/json")
 
 
-async def detokenize(body: DetokenizeRequest, state: State, request: Request) -> Response:
-    """The text of `tokens` (special tokens included)."""
-    check_model(state, body.model)
-    return json_response(await off_loop(request, _detokenize, state, body))
+async def detokenize(state: State, request: Request) -> Response:
+    """The text of `tokens` (special tokens included); the body is a DetokenizeRequest."""
+    raw = await request.body()
+    return parts_response(await off_loop(state, request, _detokenize, state, raw))
 
 
 async def tokenizer_info(state: State) -> Response:
@@ -79,6 +122,6 @@ for _prefix in ("", "/v1"):
     router.add_api_route(f"{_prefix}/tokenize", tokenize, methods=["POST"],
                          response_model=TokenizeResponse)
     router.add_api_route(f"{_prefix}/detokenize", detokenize, methods=["POST"],
-                         response_model=DetokenizeResponse)
+                         response_model=DetokenizeResponse, openapi_extra=_DETOKENIZE_BODY)
     router.add_api_route(f"{_prefix}/tokenizer_info", tokenizer_info, methods=["GET"],
                          response_model=TokenizerInfoResponse)

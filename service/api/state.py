@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ class AppState:
     metrics: Metrics
     draining: bool = False
     active_requests: int = 0  # HTTP requests waiting on the engine (drain waits for 0)
+    # one big body's tokenization at a time (service.api.prompts.off_loop): its memory bounds
+    big_inputs: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

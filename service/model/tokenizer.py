@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from service.model.errors import ModelLoadError
+from service.model.text_pieces import (
+    PIECE_CHARS,
+    RUN_CHARS,
+    RunTooLong,
+    id_pieces,
+    tail_starts,
+    text_pieces,
+)
 
 # GPT-2's split, used by llama.cpp's "smollm" (digits isolated first) and "gpt2" pre-tokenizers
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -30,24 +40,35 @@ _GGUF_PRE = {  # tokenizer.ggml.pre -> (isolate single digits first, split regex
 }
 _CONTROL = 3  # llama.cpp token type for control tokens such as <|im_start|>
 _USER_DEFINED = 4  # added tokens that are not special (Qwen3's <think>): matched whole too
-PIECE_CHARS = 1 << 15  # characters per piece when counting the tokens of a long text
 PIECE_SLACK = 8  # tokens a piece's count may exceed its share of the whole text's
+TAIL_CHARS = 4  # characters per kept token of the first tail that truncation tokenizes
+_SPLITS = {_GPT2_SPLIT, _LLAMA3_SPLIT, _QWEN2_SPLIT}
 
 
-def _piece_end(text: str, start: int) -> int:
-    """End of the piece from `start`: before a space after a non-space, near PIECE_CHARS on."""
-    end = start + PIECE_CHARS
-    if end >= len(text):
-        return len(text)
-    cut = text.rfind(" ", end - 1024, end)
-    while cut > start and text[cut - 1].isspace():
-        cut = text.rfind(" ", end - 1024, cut)
-    return cut if cut > start else end
+def cuts_exact(spec: dict[str, Any]) -> bool:
+    """Whether text_pieces' cuts keep a tokenizer.json exact: BPE after Digits and our splits,
+    ByteLevel, Unicode normalization at most, added tokens that strip no space around them."""
+    norm = spec.get("normalizer") or {"normalizers": []}
+    pre = spec.get("pre_tokenizer") or {}
+    *first, last = pre.get("pretokenizers", [pre])
+
+    def split(step: dict) -> bool:
+        return (step.get("type") == "Split" and step.get("behavior") == "Isolated"
+                and step.get("pattern", {}).get("Regex") in _SPLITS and not step.get("invert"))
+
+    return (spec.get("model", {}).get("type") == "BPE"
+            and all(n.get("type") in ("NFC", "NFD", "NFKC", "NFKD")
+                    for n in norm.get("normalizers", [norm]))
+            and last.get("type") == "ByteLevel" and not last.get("add_prefix_space")
+            and all(s.get("type") == "Digits" or split(s) for s in first)
+            and (last.get("use_regex") or any(map(split, first)))
+            and not any(t.get(k) for t in spec.get("added_tokens", ())
+                        for k in ("lstrip", "rstrip", "single_word")))
 
 
 class TextTokenizer:
     """`chat_template`: the model's own Jinja template (tokenizer_config.json, or the GGUF's
-    `tokenizer.chat_template`), None when it has none."""
+    `tokenizer.chat_template`), None when it has none. Long texts go in pieces where exact."""
 
     def __init__(self, tok: Tokenizer, bos_id: int | None, eos_id: int | None,
                  add_bos: bool = False, pad_id: int | None = None,
@@ -55,6 +76,14 @@ class TextTokenizer:
         self.tok = tok
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.pad_id, self.chat_template = pad_id, chat_template
+        spec = json.loads(tok.to_str())
+        self.splittable = cuts_exact(spec)
+        self._added = [t["content"] for t in spec.get("added_tokens", ())]
+        vocab = tok.get_vocab(with_added_tokens=True)
+        # byte-level BPE without a normalizer: a token spells at most max_token_bytes of text
+        self._coverage = _coverage(vocab) if self.splittable and spec.get(
+            "normalizer") is None else None
+        self.max_token_bytes = max(len(t.encode()) for t in vocab) if self._coverage else None
 
     def token_str(self, token_id: int | None) -> str | None:
         """The vocabulary entry of a special token (`<|im_end|>`), None for None."""
@@ -64,29 +93,79 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
+    def _ids(self, text: str) -> list[int]:
+        # NOTE: encode_batch_fast, not encode: it releases the GIL (and skips the offsets)
+        return self.tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+    def _bos(self, add_special: bool) -> list[int]:
         """`add_special`: the BOS the model's tokenizer adds (vLLM's `add_special_tokens`)."""
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        if add_special and self.add_bos and self.bos_id is not None:
-            ids = [self.bos_id, *ids]
-        return ids
+        return [self.bos_id] if add_special and self.add_bos and self.bos_id is not None else []
+
+    def _pieces(self, text: str) -> Iterator[str]:
+        if self.splittable:
+            return text_pieces(text, self._added)
+        if len(text) > RUN_CHARS:
+            raise RunTooLong(f"this model's tokenizer takes a text in one piece, and this one "
+                             f"has more than {RUN_CHARS} characters")
+        return iter([text])
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return self._bos(add_special) + self._ids(text)
+
+    def encode_all(self, text: str, add_special: bool = True) -> np.ndarray:
+        """encode(text) as int32, a piece at a time."""
+        return np.concatenate([np.array(self._bos(add_special), np.int32)] + [
+            np.array(self._ids(p), np.int32) for p in self._pieces(text)])
 
     def encode_within(self, text: str, limit: int, add_special: bool = True
                       ) -> list[int] | None:
-        """`encode(text)`, or None after about `limit` tokens of work once it surely has more."""
-        if len(text) > PIECE_CHARS:
-            counted = pieces = start = 0
-            while start < len(text):
-                end = _piece_end(text, start)
-                counted += len(self.tok.encode(text[start:end], add_special_tokens=False))
-                pieces += 1
-                if counted > limit + PIECE_SLACK * pieces:
-                    return None
-                start = end
+        """`encode(text)`, or None once it surely has more than `limit` tokens (by its size alone,
+        or after about `limit` tokens of work)."""
+        if self._surely_over(text, limit):
+            return None
+        if self.splittable or len(text) > PIECE_CHARS:
+            ids: list[int] = []
+            for k, piece in enumerate(text_pieces(text, self._added, self.splittable)):
+                if len(ids) > limit + (0 if self.splittable else PIECE_SLACK * k):
+                    return None  # and there is more
+                ids += self._ids(piece)
+            if self.splittable:
+                return self._bos(add_special) + ids
         return self.encode(text, add_special)
 
+    def _surely_over(self, text: str, limit: int) -> bool:
+        """Whether `text` has more bytes than `limit` tokens spell (a character spells one at
+        least unless dropped, and its share of them)."""
+        if self._coverage is None or self.max_token_bytes is None:
+            return False
+        dropped, share = self._coverage
+        most, lost = limit * self.max_token_bytes, sum(text.count(c) for c in dropped if c in text)
+        return len(text) - lost > most or not text.isascii() and share * len(
+            text.encode("utf-8", "surrogatepass")) - lost > most
+
+    def encode_tail(self, text: str, keep: int, add_special: bool = True) -> list[int]:
+        """encode(text)[-keep:], from tails of the text that grow until two end in the same `keep`
+        tokens (a tail's start changes only its first tokens), else from the whole."""
+        last = None
+        for start in tail_starts(text, TAIL_CHARS * keep + 64, self._added):
+            if start == 0:
+                return self.encode_all(text, add_special)[-keep:].tolist()
+            ids = np.concatenate([np.array(self._ids(p), np.int32)
+                                  for p in self._pieces(text[start:])])
+            if len(ids) >= keep:
+                if last is not None and np.array_equal(ids[-keep:], last[-keep:]):
+                    return ids[-keep:].tolist()
+                last = ids
+        raise AssertionError("tail_starts ends with the whole text")
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+        # NOTE: decode_batch, not decode: it releases the GIL
+        return self.tok.decode_batch([list(ids)], skip_special_tokens=skip_special)[0]
+
+    def decode_pieces(self, ids: np.ndarray) -> Iterator[str]:
+        """decode(ids), a piece at a time."""
+        for piece in id_pieces(ids, self.decode):
+            yield self.decode(piece.tolist())
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
@@ -156,6 +235,23 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def _coverage(vocab: dict[str, int]) -> tuple[str, float] | None:
+    """BPE drops a byte no token spells: the ASCII characters so dropped and the least share of
+    a longer character's bytes still spelled; None if a continuation byte is dropped."""
+    dropped, share = "", 1.0
+    for b, ch in _bytes_to_unicode().items():
+        if ch in vocab or b in (0xC0, 0xC1) or b >= 0xF5:  # the last: never in UTF-8
+            continue
+        if 0x80 <= b < 0xC0:
+            return None
+        if b < 0x80:
+            dropped += chr(b)
+        else:  # the lead byte of n: the other n - 1 are spelled
+            n = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            share = min(share, (n - 1) / n)
+    return dropped, share
 
 
 def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> TextTokenizer:
