@@ -17,6 +17,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import ValidationError
 
+from service.api import json_depth
 from service.api.errors import BadInput
 from service.api.schemas_chat import ChatMessage, ToolCall
 from service.config import clip
@@ -170,13 +171,14 @@ def texts(m: ChatMessage, where: str) -> list[str]:
 def _tool_call(call: ToolCall, where: str) -> dict[str, Any]:
     """As sent, with the arguments as an object (vLLM parses the JSON text; none is {})."""
     out = call.model_dump(exclude_unset=True)
-    args = call.function.arguments
+    args, field = call.function.arguments, f"{where}.function.arguments"
     if isinstance(args, str) and args:
         try:
-            args = json.loads(args)
+            args = json_depth.loads(args)
         except ValueError as e:
-            raise BadInput(f"{where}.function.arguments is not JSON: {e}",
-                           f"{where}.function.arguments") from None
+            raise BadInput(f"{field} {e}", field) from None
+    elif json_depth.too_deep(args):
+        raise BadInput(f"{field} {json_depth.TOO_DEEP}", field)
     out["function"]["arguments"] = args or {}
     return out
 
@@ -247,9 +249,15 @@ def render(tokenizer: TextTokenizer, messages: Sequence[ChatMessage | Mapping[st
         raise BadInput("messages is empty", "messages")
     generation_prompt(add_generation_prompt, continue_final_message)
     for key in chat_template_kwargs or {}:
-        if key in RESERVED:
-            raise BadInput(f"chat_template_kwargs.{key} is not allowed: it is set by the "
-                           "request itself", f"chat_template_kwargs.{clip(key)}")
+        if key in RESERVED or key == "self":
+            why = ("it is set by the request itself" if key in RESERVED
+                   else "`self` in a Jinja template is the template itself")
+            raise BadInput(f"chat_template_kwargs.{key} is not allowed: {why}",
+                           f"chat_template_kwargs.{clip(key)}")
+    for field, value in (("tools", tools), ("documents", documents),
+                         ("chat_template_kwargs", chat_template_kwargs)):
+        if json_depth.too_deep(value):
+            raise BadInput(f"{field} {json_depth.TOO_DEEP}", field)
     template, as_parts = compiled(tokenizer.chat_template)
     chat = conversation(messages, as_parts)
     final = ""

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.json_depth import TOO_DEEP, deep_path
 from service.config import error_message
 from service.engine.interface import (
     EngineTimeout,
@@ -130,6 +131,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(dict.fromkeys(parts)), first
 
 
+def too_deep_body(body: bytes) -> BadInput:
+    """The 400 for a body nested too deep for the JSON parser, naming where if it can."""
+    where = deep_path(body)
+    field = None if where is None else where if len(where) <= 100 else where[:100] + "..."
+    return BadInput(f"{field or 'the request body'}: {TOO_DEEP}", field)
+
+
 class ErrorReply(NamedTuple):
     status: int
     headers: dict[str, str]
@@ -183,7 +191,10 @@ def install(app: FastAPI, count: Callable[[str], None]) -> None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's JSON parse of the body
+            bad = too_deep_body(await request.body())
+            return respond(bad, bad.message, bad.param, None)
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return Response(error_bytes(str(exc.detail), type_, None, exc.status_code),
                         exc.status_code, headers=getattr(exc, "headers", None),

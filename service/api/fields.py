@@ -1,11 +1,14 @@
-"""What the clients' request fields mean here: unknown fields logged once and ignored, fields
+"""What the clients' request fields mean here: unknown fields ignored (reported, bounded), fields
 that would change the answer refused by name, and vLLM's sampling fields turned into the one
 SamplingParams the engine knows."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from service.engine.interface import SamplingParams
@@ -31,20 +34,67 @@ REFUSED = {  # field -> why it is refused (each constrains or changes the first 
                      "template renders messages",
 }
 
-_warned: set[str] = set()
-_lock = threading.Lock()
+MAX_NAMES = 1024  # unknown names remembered, so that each is reported once
+NAMES_READ = 64  # of one request's unknown fields: enough for a few examples, O(1) per request
+REPORT_EVERY_S = 60.0
+EXAMPLES = 5
+
+
+class UnknownFields:
+    """Unknown request field names: ignored, and reported at most one line per REPORT_EVERY_S
+    (how many requests brought new names, a few of them); memory and work per request bounded."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock, self._lock = clock, threading.Lock()
+        self.seen: set[str] = set()
+        self._examples: list[str] = []
+        self._requests = self._most = 0  # since the last line
+        self._model = ""
+        self._quiet_until = float("-inf")
+        self._timer: threading.Timer | None = None
+
+    def note(self, model: str, extra: dict[str, Any]) -> None:
+        names = [name[:100] for name in itertools.islice(extra, NAMES_READ)]
+        with self._lock:
+            new = [name for name in names if name not in self.seen]
+            if not new:
+                return
+            self.seen.update(new[:MAX_NAMES - len(self.seen)])
+            if not self._requests:
+                self._model = model
+            self._requests += 1
+            self._most = max(self._most, len(extra))
+            self._examples += new[:EXAMPLES - len(self._examples)]
+            if self._timer is not None:
+                return  # the pending report takes these along
+            wait = self._quiet_until - self._clock()
+            if wait > 0:  # a timer, so that names seen in a quiet time are reported after it
+                self._timer = threading.Timer(wait, self.report)
+                self._timer.daemon = True
+                self._timer.start()
+                return
+        self.report()
+
+    def report(self) -> None:
+        with self._lock:
+            self._timer = None
+            if not self._requests:
+                return
+            log.warning("ignoring unknown request fields, e.g. %s (first in a %s; %d request(s) "
+                        "with new names, up to %d unknown fields in one; one such line every "
+                        "%g s at most)", ", ".join(map(repr, self._examples)), self._model,
+                        self._requests, self._most, REPORT_EVERY_S)
+            self._examples, self._requests, self._most = [], 0, 0
+            self._quiet_until = self._clock() + REPORT_EVERY_S
+
+
+_unknown = UnknownFields()
 
 
 def ignore_unknown(model: str, extra: dict[str, Any] | None) -> None:
-    """Log each unknown field name once per process, never per request."""
-    if not extra:
-        return
-    with _lock:
-        new = [name for name in extra if name not in _warned]
-        _warned.update(new)
-    for name in new:
-        log.warning("ignoring the unknown request field %r (first seen in a %s; each unknown "
-                    "field name is logged once)", name[:100], model)
+    """Fields vLLM and SGLang would accept without using them: accepted, reported (bounded)."""
+    if extra:
+        _unknown.note(model, extra)
 
 
 def sampling_params(state: AppState, body: Any, *, top_logprobs: int = 0,
@@ -59,12 +109,14 @@ def sampling_params(state: AppState, body: Any, *, top_logprobs: int = 0,
     if body.priority != 0:
         raise BadInput(f"priority={body.priority}: priority scheduling is not enabled "
                        "(the queue is first-in, first-out); send 0", "priority")
-    bias: list[tuple[int, float]] = []
+    bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
-        if not key.strip().lstrip("-").isdigit():
-            raise BadInput(f"logit_bias: the key {key[:40]!r} is not a token id", "logit_bias")
-        bias.append((int(key), value))
-    check_vocab([t for t, _ in bias], vocab, "logit_bias")
+        try:  # vLLM's int(key): " 1 ", "+1", "1_0", "-0" and other digits ("٣", "１") are ids
+            bias[int(key)] = value
+        except ValueError:
+            raise BadInput(f"logit_bias: the key {key[:40]!r} is not a token id",
+                           "logit_bias") from None
+    check_vocab(list(bias), vocab, "logit_bias")
     allowed = tuple(body.allowed_token_ids or ())
     check_vocab(allowed, vocab, "allowed_token_ids")
     stops = tuple(body.stop_token_ids or ())
@@ -81,7 +133,7 @@ def sampling_params(state: AppState, body: Any, *, top_logprobs: int = 0,
         temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
         seed=body.seed, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
         logprob_token_ids=logprob_token_ids, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, logit_bias=tuple(bias),
+        repetition_penalty=body.repetition_penalty, logit_bias=tuple(bias.items()),
         allowed_token_ids=allowed, banned_token_ids=banned)
 
 

@@ -48,9 +48,9 @@ Finite = dict(allow_inf_nan=False)
 
 
 class Body(BaseModel):
-    """Every request body. Unknown fields are accepted and ignored, each name logged once (as
-    vLLM and SGLang do); fields that would change the answer and are not served here are
-    refused by name."""
+    """Every request body. Unknown fields are accepted and ignored (as vLLM and SGLang do),
+    new names reported at most once a minute; fields that would change the answer and are not
+    served here are refused by name."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -22,7 +22,7 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Part(BaseModel):
-    """Unknown fields: logged once and ignored (vLLM renders only the fields declared here)."""
+    """Unknown fields: ignored and reported (vLLM renders only the fields declared here)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -4,6 +4,7 @@ the model's chat template, the official `openai` client, and the 400s that name 
 from __future__ import annotations
 
 import copy
+import json
 
 import httpx
 import pytest
@@ -153,6 +154,7 @@ def test_logprob_token_ids(api) -> None:
     ({"chat_template": "{{ messages }}"}, "chat_template", "model's own"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}},
      "chat_template_kwargs.add_generation_prompt", "set by the request"),
+    ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs.self", "template itself"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"messages": []}, "messages", "at least 1"),
     ({"messages": [{"role": "robot", "content": "beep"}]}, "messages[0].role", "'user'"),
@@ -173,6 +175,33 @@ def test_refused(api, body, param, words) -> None:
     assert err["param"] == param and words in err["message"], err
 
 
+def nested(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+CALL = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f",
+                                                                     "arguments": "X"}}]}
+ARGUMENTS = "messages[2].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("body,value,param", [
+    ({"messages": [*ASK, CALL]}, json.dumps(nested(100_000)), ARGUMENTS),  # JSON text
+    ({"messages": [*ASK, CALL]}, nested(300), ARGUMENTS),
+    ({"messages": [*ASK, CALL]}, nested(100_000), ARGUMENTS + ".a.a.a"),  # past the parser
+    ({"tools": ["X"]}, nested(300), "tools"),
+    ({"documents": ["X"]}, nested(300), "documents"),
+    ({"chat_template_kwargs": {"x": "X"}}, nested(300), "chat_template_kwargs"),
+], ids=["arguments-text", "arguments", "arguments-100k", "tools", "documents", "kwargs"])
+def test_json_nested_too_deep_is_a_400_naming_the_field(api, body, value, param) -> None:
+    raw = json.dumps({"model": MODEL, "messages": ASK, **body}).replace('"X"', value)
+    r = api.post("/v1/chat/completions", content=raw,
+                 headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "more than 128 levels deep" in err["message"], err
+    assert err["param"].startswith(param) if param.endswith(".a") else err["param"] == param, err
+
+
 def test_no_template_and_failing_template(api) -> None:
     tok = api.state.tokenizer
     for template, words in ((None, "no chat template"),
@@ -188,7 +217,8 @@ def test_no_template_and_failing_template(api) -> None:
 def test_openai_client_matches_completions(served) -> None:
     """The official client's chat call gives the first token and logprob that /v1/completions
     gives for the rendered prompt."""
-    openai = pytest.importorskip("openai")
+    import openai
+
     url = served(api_key="sk-test")
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
     out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,

@@ -281,6 +281,14 @@ def test_an_over_long_text_is_refused_without_tokenizing_all_of_it(api, monkeypa
             seen.append(len(text))
             return tok.encode(text, *a, **kw)
 
+        def encode_batch_fast(self, texts, *a, **kw):
+            seen.extend(map(len, texts))
+            return tok.encode_batch_fast(texts, *a, **kw)
+
+        def encode_batch(self, texts, *a, **kw):
+            seen.extend(map(len, texts))
+            return tok.encode_batch(texts, *a, **kw)
+
     monkeypatch.setattr(api.state.tokenizer, "tok", Counting())
     prompt = "The quick brown fox jumps over the lazy dog. " * 45_000  # 2 MB
     r = api.post("/v1/prefill", json={"prompt": prompt})
@@ -376,3 +384,17 @@ def test_a_request_past_request_timeout_is_a_json_504(make_app) -> None:
     r = live.post("/v1/prefill", json={"prompt": "Hi"})
     assert r.status_code == 504, r.text
     assert "REQUEST_TIMEOUT_S" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/prefill", {"prompt": "a", "zz_unknown": "X"}, "zz_unknown[0][0][0]"),
+    ("/v1/completions", {"prompt": "X"}, "prompt[0][0][0]"),
+    ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [5], "x": {"y": "X"}},
+     "x.y[0][0]"),
+])
+def test_a_body_nested_past_the_json_parser_is_a_400_naming_where(api, route, body, param) -> None:
+    raw = json.dumps(body).replace('"X"', "[" * 100_000 + "]" * 100_000)
+    r = api.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith(param) and "more than 128 levels deep" in err["message"], err

@@ -179,3 +179,65 @@ def test_every_numeric_field_at_its_extremes_is_a_4xx_or_a_200(api, route, field
             err = r.json()["error"]
             assert err["param"] is None or err["param"].split("[")[0].split(".")[0] == field, (
                 field, v, err)
+
+
+FIRST_TOKEN = {  # route -> (a body, the id of the answer's first token)
+    "/v1/prefill": ({"prompt": FRANCE}, lambda out: out["results"][0]["next_token"]["id"]),
+    "/v1/completions": ({"prompt": FRANCE, "max_tokens": 1, "return_token_ids": True},
+                        lambda out: out["choices"][0]["token_ids"][0]),
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": FRANCE}],
+                              "return_token_ids": True},
+                             lambda out: out["choices"][0]["token_ids"][0]),
+}
+
+
+@pytest.mark.parametrize("route", FIRST_TOKEN)
+def test_logit_bias_keys_are_read_as_vllm_reads_them(api, route) -> None:
+    """vLLM's int(key): what Python reads as an integer is that token (spaces, a sign, "_",
+    leading zeros, any script's digits); anything else is a 400 naming logit_bias, never a 500."""
+    body, first = FIRST_TOKEN[route]
+
+    def forced(key: str) -> int:
+        r = api.post(route, json={**body, "logit_bias": {key: 100}})
+        assert r.status_code == 200, (key, r.text)
+        return first(r.json())
+
+    assert forced("42") == 42 and forced("0") == 0
+    for key in (" 42 ", "+42", "4_2", "0042", "٤٢", "４２", "𝟒𝟐"):
+        assert forced(key) == 42, key
+    assert forced("-0") == 0
+    for key in ("²", "--1", "9" * 5000, "4 2", "0x2a", "1e3", "", "-"):
+        r = api.post(route, json={**body, "logit_bias": {key: 1}})
+        assert r.status_code == 400, (key[:20], r.text)
+        err = r.json()["error"]
+        assert err["param"] == "logit_bias" and "not a token id" in err["message"], err
+
+
+def test_unknown_field_names_are_bounded_in_memory_and_log_lines(api, caplog) -> None:
+    """Each name reported once, at most one line a minute (a count and a few names), at most
+    MAX_NAMES names remembered: 3 requests of 100k invented names write at most one line."""
+    from service.api import fields
+
+    with caplog.at_level(logging.WARNING, logger="service.api"):
+        for i in range(3):
+            raw = json.dumps({"prompt": FRANCE, "max_tokens": 1,
+                              **{f"zz{i}_{j}": 1 for j in range(100_000)}})
+            r = api.post("/v1/completions", content=raw,
+                         headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+    assert len([r for r in caplog.records if r.name == "service.api"]) <= 1
+    assert len(fields._unknown.seen) <= fields.MAX_NAMES
+
+    now = [0.0]
+    unknown = fields.UnknownFields(clock=lambda: now[0])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="service.api"):
+        for i in range(3):
+            unknown.note("CompletionRequest", {f"k{i}_{j}": 1 for j in range(100_000)})
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "'k0_0'" in line and "100000" in line and "CompletionRequest" in line
+        unknown.note("CompletionRequest", {"k0_0": 1})  # seen: nothing new to say
+        now[0] += fields.REPORT_EVERY_S
+        unknown.report()  # what the timer does at the end of the quiet minute
+        assert len(caplog.records) == 2 and "2 request(s)" in caplog.records[1].getMessage()
+    assert len(unknown.seen) == 3 * fields.NAMES_READ <= fields.MAX_NAMES
