@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from service.engine.batch import SeqChunk
 from service.engine.pages import page_keys, pages_for
@@ -14,10 +15,12 @@ Batch = list[tuple[Prompt, SeqChunk]]
 
 
 def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache,
-               budget: int, max_prompts: int, rows: int) -> Batch:
-    """Up to `budget` tokens, `max_prompts` chunks and `rows` prompt-logprob rows. Admission is
-    FIFO and gives a prompt all its KV pages at once (cached full pages first, or its shared
-    query's), moving it from `waiting` to `running`."""
+               budget: int, max_prompts: int, rows: int,
+               cap: Callable[[int], int] | None = None) -> Batch:
+    """Up to `budget` tokens, `max_prompts` chunks and `rows` prompt-logprob rows; with `cap`, a
+    prompt's chunk after p done tokens has at most cap(p). Admission is FIFO and gives a prompt
+    all its KV pages at once (cached full pages first, or its shared query's), moving it from
+    `waiting` to `running`."""
     ps = cache.page_size
     out: Batch = []
     taken: set[int] = set()  # ids of the prompts in `out`
@@ -25,6 +28,8 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
     def take(r: Prompt) -> None:
         nonlocal budget, rows
         n = min(r.num_tokens - r.done, budget)
+        if cap is not None:
+            n = min(n, cap(r.done))
         if r.params.prompt_logprobs:
             n = min(n, rows)
             rows -= n

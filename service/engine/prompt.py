@@ -3,6 +3,7 @@ KV (`shared_query`), and the observer hooks."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -14,6 +15,8 @@ from service.engine.batch import SeqChunk, token_array
 from service.engine.interface import PositionLogprobs, PromptResult, SamplingParams
 from service.engine.pages import pages_for
 from service.engine.sampling import LastRow, next_token, prompt_logprobs
+
+log = logging.getLogger(__name__)
 
 # Called once with (result, None) or (None, error), from the engine thread or an abort
 OnDone = Callable[[PromptResult | None, BaseException | None], None]
@@ -52,6 +55,12 @@ class Prompt:
         # A shared query: its prompts not yet over, and the pages it keeps for them meanwhile
         self.items_left = 0
         self.group_pages: list[int] = []
+
+    def answer(self, result: PromptResult | None, exc: BaseException | None) -> None:
+        try:
+            self.on_done(result, exc)
+        except Exception:  # noqa: BLE001 - a reply that cannot be delivered fails nothing else
+            log.exception("delivering a result failed")
 
     def next_chunk(self, n: int, page_size: int) -> SeqChunk:
         """The next `n` tokens as a chunk; they count as done from here on."""

@@ -3,7 +3,8 @@
 Other threads only call `submit`/`cancel`/`abort`, under the lock. Admission is FIFO with all of
 a prompt's pages. On a GPU, forward n + 1 is launched before forward n is read; the one stream
 orders them, so a page freed or reused meanwhile is written in turn. Where a launch runs the
-whole forward (the CPU), each forward's results are delivered before the next one runs."""
+whole forward (the CPU), each forward's results are delivered before the next one runs, and each
+prompt's chunk is sized to about a second (chunk_size.py), so a cancel stops it that soon."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from service.engine.batching import Batch, form_batch
+from service.engine.chunk_size import ChunkSizer
 from service.engine.finish_rate import FinishRate
 from service.engine.interface import (
     EngineInfo,
@@ -47,17 +49,15 @@ class Scheduler:
                  prefix_cache: bool = True, observer: Observer | None = None,
                  on_queue: OnQueue | None = None, poll: Poll | None = None):
         """With `poll`, the engine thread takes its own input (no GIL hand-over per message)."""
-        self._factory = engine_factory
-        self.max_queue = max_queue
-        self.max_batch_prompts = max_batch_prompts
+        self._factory, self._on_queue, self._poll = engine_factory, on_queue, poll
+        self.max_queue, self.max_batch_prompts = max_queue, max_batch_prompts
         assert max_logit_rows >= 1, f"max_logit_rows must be >= 1, got {max_logit_rows}"
         self.max_logit_rows = max_logit_rows  # prompt-logprob rows per forward
         self.observer = observer or NullObserver()
-        self._on_queue = on_queue
-        self._poll = poll
         self.launching_since = 0.0  # when the engine thread entered a launch; 0 outside one
         self.prefix_cache_enabled = prefix_cache
         self.cache: PrefixCache | None = None  # built with the engine (it needs the allocator)
+        self._sizer: ChunkSizer | None = None  # where a launch runs a whole forward
         self._cv = threading.Condition()
         self._waiting: deque[Prompt] = deque()
         self._running: list[Prompt] = []
@@ -89,10 +89,9 @@ class Scheduler:
     def stats(self) -> EngineStats:
         """Live numbers, from any thread (a forward may be updating them)."""
         eng = self.engine
+        counts, runs = (dict(eng.forward_counts), dict(eng.runs)) if eng is not None else ({}, {})
         return EngineStats(len(self._waiting), len(self._running), self.kv_used_tokens,
-                           self.kv_cached_tokens,
-                           dict(eng.forward_counts) if eng is not None else {},
-                           dict(eng.runs) if eng is not None else {})
+                           self.kv_cached_tokens, counts, runs)
 
     @property
     def kv_used_tokens(self) -> int:
@@ -161,7 +160,7 @@ class Scheduler:
             self._queue_changed()
             for r in pending:
                 r.cancelled = True
-                self._post(r, None, exc)
+                r.answer(None, exc)
             self._cv.notify()
         return len(pending)
 
@@ -182,12 +181,6 @@ class Scheduler:
             self._on_queue(len(self._waiting), self.retry_after_s())
 
     # ---- engine-thread side -----------------------------------------------------------------
-    def _post(self, r: Prompt, result: PromptResult | None, exc: BaseException | None) -> None:
-        try:
-            r.on_done(result, exc)
-        except Exception:  # noqa: BLE001 - a reply that cannot be delivered fails nothing else
-            log.exception("delivering a result failed")
-
     def _main(self) -> None:
         t0 = time.perf_counter()
         try:
@@ -202,6 +195,7 @@ class Scheduler:
                                             load_seconds=time.perf_counter() - t0)
             self.cache = PrefixCache(engine.pool.allocator, engine.pool.page_size,
                                      self.prefix_cache_enabled)
+            self._sizer = ChunkSizer(engine.model_cfg) if engine.synchronous else None
             if self.state == "loading":
                 self.state = "ready"
         self._post_loaded(None)
@@ -251,7 +245,7 @@ class Scheduler:
             self._running.clear()
             self._queue_changed()
         for r in pending:
-            self._post(r, None, NotReady(msg))
+            r.answer(None, NotReady(msg))
         self._post_loaded(RuntimeError(msg))
 
     def _release(self, r: Prompt) -> None:
@@ -288,7 +282,8 @@ class Scheduler:
     def _form_batch(self) -> Batch:
         waiting = len(self._waiting)
         batch = form_batch(self._running, self._waiting, self.cache, self.engine.max_batch_tokens,
-                           self.max_batch_prompts, self.max_logit_rows)
+                           self.max_batch_prompts, self.max_logit_rows,
+                           self._sizer.cap if self._sizer else None)
         if len(self._waiting) != waiting:
             self._queue_changed()
         return batch
@@ -317,7 +312,7 @@ class Scheduler:
                 self._release(r)
                 if not r.cancelled:
                     r.cancelled = True
-                    self._post(r, None, err)
+                    r.answer(None, err)
 
     def _finish(self, batch: Batch, launched: Any) -> None:
         try:
@@ -330,6 +325,8 @@ class Scheduler:
             return
         self.observer.on_forward(out.mode, out.seconds, sum(c.num_tokens for _, c in batch),
                                  len(batch))
+        if self._sizer:
+            self._sizer.measured([c for _, c in batch], out.seconds)
         finished: list[tuple[Prompt, PromptResult | None, BaseException | None]] = []
         for (r, c), logits, summary in zip(batch, out.logits, out.last):
             if r.cancelled:
@@ -350,7 +347,7 @@ class Scheduler:
                 if not r.cancelled:
                     if exc is not None:
                         r.cancelled = True  # a later chunk in flight is dropped
-                    self._post(r, res, exc)
+                    r.answer(res, exc)
             self._finish_rate.add(time.perf_counter(),
                                   sum(res is not None for _, res, _ in finished))
             self._queue_changed()

@@ -23,6 +23,7 @@ from service.engine.kv_pool import PageAllocator
 from service.engine.prompt import Prompt
 from service.engine.sampling import last_rows
 from service.engine.scheduler import Scheduler
+from tests.engine.helpers import tiny_cfg
 
 V = 64
 
@@ -52,6 +53,8 @@ class FakeEngine:
         self.pool.calls = self.calls
         self.permits = threading.Semaphore(0)
         self.synchronous = False  # plays a GPU: the scheduler overlaps its forwards
+        self.model_cfg = tiny_cfg()  # sizes the chunks of a synchronous engine
+        self.seconds = 0.001  # what each forward reports it took
         self.free_run = True
         self.fail_token: int | None = None
         self.closed = False
@@ -68,7 +71,8 @@ class FakeEngine:
             logits = torch.zeros(len(rows), V)
             logits[torch.arange(len(rows)), torch.tensor([(t + 1) % V for t in rows])] = 5.0
             out.append(logits)
-        return ForwardOutput(out, last_rows(torch.cat([x[-1:] for x in out])), "eager", 0.001)
+        return ForwardOutput(out, last_rows(torch.cat([x[-1:] for x in out])), "eager",
+                             self.seconds)
 
     def launch(self, chunks):
         out = self.forward(chunks)
