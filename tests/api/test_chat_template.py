@@ -114,7 +114,8 @@ TOOL_TURN = [
 
 @pytest.fixture(scope="module")
 def hf():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
