@@ -35,8 +35,8 @@ from bench.common import markdown_table, out_dir, pyplot, run_meta, write_result
 from service.engine.batch import SeqChunk, build_batch  # noqa: E402
 from service.engine.kv_pool import KVPool  # noqa: E402
 from service.engine.pages import pages_for  # noqa: E402
-from service.model.fp8 import quantize_model  # noqa: E402
 from service.model.loader import load_model  # noqa: E402
+from service.model.quant.fp8 import quantize_model  # noqa: E402
 
 WINDOW = 1024
 PAGE = 16

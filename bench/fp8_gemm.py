@@ -27,7 +27,7 @@ from kernels import ops  # noqa: E402
 from kernels.fp8_gemm import fp8_gemm  # noqa: E402
 from kernels.quant_fp8 import E4M3, quantize_ref  # noqa: E402
 from service.model.families import preset  # noqa: E402
-from service.model.fp8 import quantize_blocks  # noqa: E402
+from service.model.quant.fp8_linear import quantize_blocks  # noqa: E402
 
 CONFIGS = {
     "64x128 w4 s4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4,

@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.host import cuda_requirement, usable_cpus
+from service.model import quant
 from service.model.config import model_name
 
 
@@ -84,15 +85,7 @@ class Settings(BaseSettings):
         "Fold each layer's RMSNorm weights into the QKV and gate/up weights at start-up, so "
         "batches up to 6 Mi residual elements run two norm kernels fewer per layer. Ignored for "
         "float16 models."))
-    quantization: Literal["none", "fp8"] = Field("none", description=(
-        "`fp8`: every layer's projections in FP8 e4m3 (per-output-channel weight scales, "
-        "per-token dynamic activation scales, fp32 sums), quantized at start-up with the "
-        "pre-norms' weights multiplied in (the norms' launches write the quantized rows); "
-        "embedding and LM head stay. "
-        "Halves the projections' memory; the KV pool takes what is freed. FP8 checkpoints "
-        "(compressed-tensors float-quantized, fp8 with 128 × 128 blocks) load as published "
-        "whatever this says. GPU: Triton quantization kernels, cuBLASLt row-wise and Triton "
-        "block-scaled GEMMs, in the CUDA graphs; CPU: the exact PyTorch reference."))
+    quantization: str = Field("none", description=quant.setting_help())
     attention_hopper_kernel: bool = Field(True, description=(
         "On Hopper GPUs, prefix-free batches of at least 1,024 tokens run through the "
         "warp-specialized Gluon attention kernel where it is the faster (head_dim 128: sequences "
@@ -158,7 +151,14 @@ class Settings(BaseSettings):
                              "port, or to 0 for no admin listener")
         return v
 
-    @field_validator("log_level", "device", "dtype", mode="before")
+    @field_validator("quantization")
+    @classmethod
+    def _quantization(cls, v: str) -> str:
+        if v not in quant.settings():
+            raise ValueError(f"must be one of {', '.join(quant.settings())}")
+        return v
+
+    @field_validator("log_level", "device", "dtype", "quantization", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         """Operators write INFO or CUDA as often as info or cuda."""
@@ -224,7 +224,7 @@ class EngineConfig:
     cuda_graph_full_max_tokens: int = 1024
     cuda_graph_full_max_seqs: int = 8
     fold_norms: bool = True
-    quantization: str = "none"  # "none" | "fp8"
+    quantization: str = "none"  # a name quant.settings() lists
     attention_hopper_kernel: bool = True
     cpu_threads: int = 0  # 0: leave torch's own choice
 

@@ -65,7 +65,7 @@ _CACHE_CONFIG_DOC = "KV pool: tokens per page (page_size) and pages prompts can 
 _CACHE_CONFIG_LABELS = ["page_size", "num_pages", "model_name"]
 
 # The model's precision as an info metric, from snapshot keys "dtype" and "quantization" ("none",
-# or the scheme of its FP8 projections, as /info reports it)
+# or its quantization scheme's label, as /info reports it)
 MODEL_INFO = "prefill_model_info"
 _MODEL_INFO_DOC = ("The served model's precision: dtype (activations, KV pool) and quantization "
                    "of its projections.")

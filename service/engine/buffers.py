@@ -4,14 +4,15 @@ The `arena` holds qkv and attn during attention, then the MLP's gate|up in row c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from service.model.config import ModelConfig
 from service.model.decoder import Activations
-from service.model.fp8 import Fp8Scratch
 from service.model.layers import MLP_ROW_ALIGN
+from service.model.quant import Scratch
 
 MLP_MIN_ROWS = 4096
 
@@ -41,14 +42,16 @@ class StaticBuffers:
     mlp_width: int  # gate|up output features
     mlp_rows: int  # MLP scratch rows per bucket token budget (max_tokens when row_factor > 1)
     row_factor: int = 1
-    q8: Fp8Scratch | None = None  # FP8 projections' quantized inputs (service/model/fp8.py)
-    q8_mlp: Fp8Scratch | None = None
+    qin: Scratch | None = None  # the projections' inputs as their scheme stores them
+    qin_mlp: Scratch | None = None
     _views: dict[int, Activations] = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, dtype: torch.dtype,
                  device: torch.device | str, mlp_width: int, row_factor: int = 1,
-                 fp8: bool = False) -> StaticBuffers:
+                 scratch: Callable[[int, int, torch.device | str], Scratch | None] | None = None
+                 ) -> StaticBuffers:
+        """`scratch(rows, cols, device)`: the model's scheme's input scratch (Scheme.scratch)."""
         m, d = max_tokens, cfg.hidden_size
         qkv_w, attn_w = cfg.q_size + 2 * cfg.kv_size, cfg.q_size
         brk = m * (qkv_w + attn_w)
@@ -58,13 +61,13 @@ class StaticBuffers:
         def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
 
-        q8 = q8_mlp = None
-        if fp8:
-            q8 = Fp8Scratch.allocate(m, max(d, attn_w), device)
-            q8_mlp = Fp8Scratch.allocate(row_factor * mlp_rows, mlp_width // 2, device)
+        qin = qin_mlp = None
+        if scratch is not None:
+            qin = scratch(m, max(d, attn_w), device)
+            qin_mlp = scratch(row_factor * mlp_rows, mlp_width // 2, device)
         return cls(m, zeros(m, dt=torch.int64), zeros(m, dt=torch.int64), zeros(m, d),
                    zeros(m, d), zeros(arena), qkv_w, attn_w, mlp_width, mlp_rows, row_factor,
-                   q8, q8_mlp)
+                   qin, qin_mlp)
 
     def views(self, n: int) -> Activations:
         if n not in self._views:
@@ -81,10 +84,10 @@ class StaticBuffers:
         mlp = a[: r * self.mlp_width].view(r, self.mlp_width)
         return Activations(self.input_ids[:n], self.positions[:n], self.residual[:n],
                            self.hidden[:n], qkv[:n], attn[:n],
-                           mlp[: self.row_factor * min(n, self.mlp_rows)], self.q8, self.q8_mlp)
+                           mlp[: self.row_factor * min(n, self.mlp_rows)], self.qin, self.qin_mlp)
 
     @property
     def nbytes(self) -> int:
         ts = (self.input_ids, self.positions, self.residual, self.hidden, self.arena)
-        q8 = sum(q.nbytes for q in (self.q8, self.q8_mlp) if q is not None)
-        return sum(t.numel() * t.element_size() for t in ts) + q8
+        qin = sum(q.nbytes for q in (self.qin, self.qin_mlp) if q is not None)
+        return sum(t.numel() * t.element_size() for t in ts) + qin

@@ -34,8 +34,8 @@ from service.engine.runners.eager import EagerRunner
 from service.engine.runners.full import FullGraphRunner
 from service.engine.sampling import LastRow, named_rows, summarize, unpack
 from service.model.errors import ModelLoadError
-from service.model.fp8 import precision, quantize_model
 from service.model.loader import LoadedModel, load
+from service.model.quant import apply as apply_quantization
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +102,13 @@ class EngineCore:
         self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.model.attn.hopper = cfg.attention_hopper_kernel
         self.model_path = str(loaded.path)
-        if cfg.quantization == "fp8":
-            quantize_model(self.model)  # the bf16 projections' memory joins the KV pool's
-        self.precision = precision(self.model)
-        if self.precision != "none" and dp_group is not None:
+        apply_quantization(self.model, cfg.quantization)  # what it frees joins the KV pool
+        self.precision = self.model.scheme.label
+        if self.model.quantized and dp_group is not None:
             raise ModelLoadError(f"{self.model_path}: {self.precision} projections are not "
                                  "sharded across data-parallel ranks")
         if cfg.fold_norms and dp_group is None and self.dtype != torch.float16:
-            self.model.fold_norms()  # skips FP8 projections: their norms' launch quantizes
+            self.model.fold_norms()  # not into projections that cannot take a norm's weight
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         # On the CPU a launch runs the whole forward: nothing to overlap with the next one
         self.synchronous = not cuda

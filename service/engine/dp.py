@@ -19,6 +19,7 @@ from service.engine.runners.breakable import BreakableRunner
 from service.model.decoder import Activations, DecoderModel
 from service.model.layers import MLP, gated_mlp
 from service.model.meta import KVCache
+from service.model.quant.plain import Linear
 
 
 class DPGroup:
@@ -128,8 +129,8 @@ class DPMLP(nn.Module):
         assert inter % w == 0, f"intermediate size {inter} not divisible by DP size {w}"
         f, lo = inter // w, r * (inter // w)
         gu, down = mlp.gate_up_proj.weight, mlp.down_proj.weight  # (2F, D), (D, F)
-        self.gate_up_proj = nn.Linear(gu.shape[1], 2 * f, bias=False, device="meta")
-        self.down_proj = nn.Linear(f, down.shape[0], bias=False, device="meta")
+        self.gate_up_proj = Linear(gu.shape[1], 2 * f, bias=False, device="meta")
+        self.down_proj = Linear(f, down.shape[0], bias=False, device="meta")
         with torch.no_grad():
             up = inter + lo
             shard_gu = gu if w == 1 else torch.cat([gu[lo : lo + f], gu[up : up + f]])
@@ -140,8 +141,8 @@ class DPMLP(nn.Module):
         self.use_triton, self.activation = mlp.use_triton, mlp.activation
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                scratch: torch.Tensor | None = None, q8: object = None) -> torch.Tensor:
-        assert q8 is None, "FP8 projections are not sharded across data-parallel ranks"
+                scratch: torch.Tensor | None = None, qin: object = None) -> torch.Tensor:
+        assert qin is None, "quantized projections are not sharded across data-parallel ranks"
         dp = self.step.tokens
         assert dp is not None, "a sharded (DP) MLP runs inside a DPRunner step"
         n, w = x.shape[0], self.group.world

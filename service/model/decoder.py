@@ -17,9 +17,11 @@ from kernels import ops
 from kernels.rope import rope_cos_sin_cache
 from service.model.attention import AttentionBackend
 from service.model.config import ModelConfig
-from service.model.fp8 import Fp8Linear, Fp8Scratch, QuantizedRows
-from service.model.layers import MLP, RMSNorm, linear, normed_input
+from service.model.layers import MLP, RMSNorm
 from service.model.meta import ForwardMeta
+from service.model.quant import PROJECTIONS, Projection, Rows, Scratch
+from service.model.quant.plain import SCHEME as PLAIN
+from service.model.quant.plain import Linear
 
 # Largest residual stream (rows x hidden elements) that runs without norm kernels when folded
 FUSED_NORM_MAX_ELEMS = 6 << 20
@@ -37,9 +39,10 @@ class Activations:
     attn: torch.Tensor  # (n, q): out of attention
     # (<= n, 2F) gate|up rows; fewer than n: the MLP runs in row chunks; None: allocated
     mlp_scratch: torch.Tensor | None = None
-    # FP8 projections' quantized inputs: QKV, O and gate|up (n rows); down (an MLP chunk's)
-    q8: Fp8Scratch | None = None
-    q8_mlp: Fp8Scratch | None = None
+    # the projections' inputs as their scheme stores them: QKV, O and gate|up (n rows); down
+    # (an MLP chunk's); None: plain inputs, or allocated per call
+    qin: Scratch | None = None
+    qin_mlp: Scratch | None = None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -72,10 +75,10 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.attn_norm = RMSNorm(h, eps)
-        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.q_norm = RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.o_proj = Linear(cfg.q_size, h, bias=False)
         self.attn_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
         self.mlp_norm = RMSNorm(h, eps)
         self.mlp = MLP(h, cfg.intermediate_size, cfg.activation)
@@ -93,34 +96,32 @@ class DecoderLayer(nn.Module):
         self.folded = True
 
     def fold_norm_weights(self) -> None:
-        """The weights' half of `fold_norms`: the norms still run, with unit weights (FP8
-        quantizes the folded product, the norm kernel quantizes its output)."""
+        """The weights' half of `fold_norms`: the norms still run, with unit weights (a scheme
+        that quantizes the folded product has the norm kernel quantize its output)."""
         assert not self.cfg.sandwich_norms, "sandwich-norm layers keep their norm kernels"
         for norm, lin in ((self.attn_norm, self.qkv_proj), (self.mlp_norm, self.mlp.gate_up_proj)):
-            assert isinstance(lin, nn.Linear), "norms fold into unquantized projections only"
-            w = lin.weight.data
-            w.copy_(w.float().mul_(norm.weight.data.float()[None, :]).to(w.dtype))
+            lin.fold_norm(norm.weight.data)
             norm.weight.data.fill_(1.0)
 
     def fuses_norm(self, rows: int) -> bool:
         return self.folded and rows * self.cfg.hidden_size <= FUSED_NORM_MAX_ELEMS
 
     def pre(self, h: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor,
-            cos_sin: torch.Tensor, qkv_out: torch.Tensor, q8: Fp8Scratch | None = None) -> None:
+            cos_sin: torch.Tensor, qkv_out: torch.Tensor, qin: Scratch | None = None) -> None:
         """Residual add + norm, QKV and RoPE into `qkv_out`; h is None when the norm is fused."""
         if self.fuses_norm(residual.shape[0]):
             self.qkv_rope(residual, positions, cos_sin, qkv_out, norm_rows=residual)
             return
-        x = normed_input(self.attn_norm, self.qkv_proj, h, residual, q8=q8)
+        x = self.qkv_proj.normed(self.attn_norm, h, residual, scratch=qin)
         self.qkv_rope(x, positions, cos_sin, qkv_out)
 
-    def qkv_rope(self, h_normed: torch.Tensor | QuantizedRows, positions: torch.Tensor,
+    def qkv_rope(self, h_normed: Rows, positions: torch.Tensor,
                  cos_sin: torch.Tensor, out: torch.Tensor | None = None,
                  norm_rows: torch.Tensor | None = None) -> torch.Tensor:
         """QKV, QK-norm and RoPE; with `norm_rows` (raw residual input) the RoPE kernel also
         applies the input norm's rstd and the bias."""
         folded = norm_rows is not None
-        qkv = linear(h_normed, self.qkv_proj, out, bias=not folded)  # (T, (H + 2KVH) * D)
+        qkv = self.qkv_proj.matmul(h_normed, out, bias=not folded)  # (T, (H + 2KVH) * D)
         t, c = qkv.shape[0], self.cfg
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
@@ -135,19 +136,19 @@ class DecoderLayer(nn.Module):
         return qkv
 
     def post(self, attn_out: torch.Tensor, residual: torch.Tensor, h_out: torch.Tensor,
-             scratch: torch.Tensor | None = None, q8: Fp8Scratch | None = None,
-             q8_mlp: Fp8Scratch | None = None) -> torch.Tensor | None:
+             scratch: torch.Tensor | None = None, qin: Scratch | None = None,
+             qin_mlp: Scratch | None = None) -> torch.Tensor | None:
         """O projection, add + norm, MLP into `h_out`; fused norm: into `residual`, returns None.
         Sandwich norms: the O projection's and the MLP's outputs are normed in place."""
         if self.fuses_norm(residual.shape[0]):
-            linear(attn_out, self.o_proj, residual, accumulate=True)
+            self.o_proj.matmul(attn_out, residual, accumulate=True)
             self.mlp(residual, out=residual, scratch=scratch, norm_eps=self.cfg.rms_norm_eps)
             return None
-        h = linear(attn_out, self.o_proj, h_out, q8=q8)
+        h = self.o_proj.matmul(attn_out, h_out, scratch=qin)
         if self.attn_out_norm is not None:
             self.attn_out_norm(h, out=h)
-        x = normed_input(self.mlp_norm, self.mlp.gate_up_proj, h, residual, q8=q8)
-        h = self.mlp(x, out=h, scratch=scratch, q8=q8_mlp)
+        x = self.mlp.gate_up_proj.normed(self.mlp_norm, h, residual, scratch=qin)
+        h = self.mlp(x, out=h, scratch=scratch, qin=qin_mlp)
         if self.mlp_out_norm is not None:
             self.mlp_out_norm(h, out=h)
         return h
@@ -155,7 +156,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """What the engine sees of a model: `run`, `logits`/`head_at`, its dims (cfg, mlp_width,
-    max_positions), its attention seam (`attn`) and the MLPs a data-parallel runner shards."""
+    max_positions), its attention seam (`attn`), its quantization `scheme` and the MLPs a
+    data-parallel runner shards."""
 
     def __init__(self, cfg: ModelConfig, attn_backend: str = "torch",
                  max_positions: int | None = None):
@@ -174,6 +176,7 @@ class DecoderModel(nn.Module):
             self.register_buffer("cos_sin_local", self.rope_table(cfg, self.max_positions, True),
                                  persistent=False)
         self.norms_folded = False
+        self.scheme = PLAIN  # the projections' (service/model/quant/): set as they change
 
     @staticmethod
     def rope_table(cfg: ModelConfig, max_positions: int, local: bool = False) -> torch.Tensor:
@@ -191,10 +194,10 @@ class DecoderModel(nn.Module):
         return self.cos_sin_local if self.layers[layer].rope else self.cos_sin
 
     def fold_norms(self) -> None:
-        """Fold every layer's norms; not sandwich norms, nor into quantized weights (an e4m3
-        weight times a norm weight is no longer e4m3; their norms ride in the launch that
-        quantizes the projection's input instead)."""
-        if self.norms_folded or self.cfg.sandwich_norms or self.quantized:
+        """Fold every layer's norms; not sandwich norms, nor into projections that cannot take
+        them (quantized ones: their norms ride in the launch that writes their input)."""
+        if (self.norms_folded or self.cfg.sandwich_norms
+                or not all(p.foldable for p in self.projections())):
             return
         with torch.no_grad():
             for layer in self.layers:
@@ -206,8 +209,10 @@ class DecoderModel(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether any projection is FP8 (service/model/fp8.py)."""
-        return any(isinstance(m, Fp8Linear) for m in self.modules())
+        return self.scheme.name != "none"
+
+    def projections(self) -> list[Projection]:
+        return [layer.get_submodule(p) for layer in self.layers for p in PROJECTIONS]
 
     def set_kernels(self, use_triton: bool) -> None:
         for m in self.modules():
@@ -255,17 +260,17 @@ class DecoderModel(nn.Module):
         if self.layers:
             first = self.layers[0]
             if not first.fuses_norm(a.residual.shape[0]):
-                x = normed_input(first.attn_norm, first.qkv_proj, a.residual, out=a.hidden,
-                                 q8=a.q8)
+                x = first.qkv_proj.normed(first.attn_norm, a.residual, out=a.hidden,
+                                          scratch=a.qin)
                 first.qkv_rope(x, a.positions, self._table(0), out=a.qkv)
                 return
             first.pre(None, a.residual, a.positions, self._table(0), a.qkv)
 
     def _between(self, i: int, a: Activations) -> None:
         """Layer i after its attention, then layer i + 1 up to its attention (or the final norm)."""
-        h = self.layers[i].post(a.attn, a.residual, a.hidden, a.mlp_scratch, a.q8, a.q8_mlp)
+        h = self.layers[i].post(a.attn, a.residual, a.hidden, a.mlp_scratch, a.qin, a.qin_mlp)
         if i + 1 < len(self.layers):
-            self.layers[i + 1].pre(h, a.residual, a.positions, self._table(i + 1), a.qkv, a.q8)
+            self.layers[i + 1].pre(h, a.residual, a.positions, self._table(i + 1), a.qkv, a.qin)
         elif h is None:  # no norm kernels: the residual is the whole state
             self.norm(a.residual, out=a.hidden)
         else:

@@ -21,9 +21,9 @@ from service.model.files import (
     read_hf_config,
     tokenizer_of,
 )
-from service.model.fp8_checkpoint import scheme_of
 from service.model.loader_gguf import ROPE_FREQS, config_from_gguf, gguf_tensors, rope_freq_scaling
 from service.model.loader_hf import read_safetensors
+from service.model.quant import of_checkpoint
 from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf
 from service.model.weights import load_hf_state
 
@@ -50,10 +50,10 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     attn_backend = attn_backend or ("triton" if device.type == "cuda" else "torch")
-    fp8 = None
+    scheme = None
     if path.is_dir() and (path / "config.json").is_file():
         cfg, raw = read_hf_config(path)
-        fp8 = scheme_of(raw, str(path / "config.json"))
+        scheme = of_checkpoint(raw, str(path / "config.json"))
         tensors = read_safetensors(path)
         tokenizer = load_hf_tokenizer(path, raw)
         where = str(path)
@@ -80,7 +80,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         model = DecoderModel(cfg, attn_backend=attn_backend)
     model = model.to_empty(device=device).to(dtype)
     model.build_rope_tables(device)  # fp32; to_empty() left the buffers uninitialised
-    load_hf_state(model, tensors, where, fp8)
+    load_hf_state(model, tensors, where, scheme)
     model.eval()
     model.set_kernels(device.type == "cuda")
     secs = time.perf_counter() - t0

@@ -10,7 +10,7 @@ import torch
 from service.model.decoder import DecoderModel
 from service.model.errors import ModelLoadError
 from service.model.families import Family, family
-from service.model.fp8_checkpoint import Fp8Scheme, fused_fp8
+from service.model.quant import Scheme
 
 
 def _take(tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...],
@@ -33,9 +33,10 @@ def _prefix(fam: Family, tensors: Mapping[str, torch.Tensor], where: str) -> str
 
 @torch.no_grad()
 def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], where: str,
-                  fp8: Fp8Scheme | None = None) -> None:
+                  scheme: Scheme | None = None) -> None:
     """`tensors` use the checkpoint's names (model.layers.N.self_attn.q_proj.weight, ...);
-    with an `fp8` scheme the projections it covers become Fp8Linear, as the checkpoint has them."""
+    with a checkpoint's `scheme` the projections it covers are its own, as the checkpoint has
+    them."""
     c = model.cfg
     fam = family(c.arch)
     h, f, qs, kvs, d = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.head_dim
@@ -43,19 +44,18 @@ def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], wher
 
     def put(param: torch.Tensor, *parts: torch.Tensor) -> None:
         src = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-        if src.element_size() == 1:  # an FP8 tensor needs its scales: never cast alone
-            raise ModelLoadError(f"{where}: a {src.dtype} tensor outside an FP8 scheme "
+        if src.element_size() == 1:  # an 8-bit tensor needs its scales: never cast alone
+            raise ModelLoadError(f"{where}: a {src.dtype} tensor outside a quantization scheme "
                                  "(config.json has no quantization_config covering it)")
         param.copy_(src.to(param.dtype))
 
     def projection(owner: torch.nn.Module, attr: str, parts: list[str],
                    shapes: list[tuple[int, int]], bias: list[str] | None = None) -> None:
-        """owner.attr from the stacked checkpoint modules `parts` (FP8 where the scheme says)."""
+        """owner.attr from the stacked checkpoint modules `parts` (the scheme's where it says)."""
         b = None if bias is None else [_take(tensors, f"{n}.bias", (r,), where)
                                         for n, (r, _) in zip(bias, shapes)]
-        if fp8 is not None and not any(fp8.ignores(n) for n in parts):
-            lin = fused_fp8(tensors, fp8, parts, shapes, None if b is None else torch.cat(b),
-                            where)
+        if scheme is not None and not any(scheme.ignores(n) for n in parts):
+            lin = scheme.load(tensors, parts, shapes, None if b is None else torch.cat(b), where)
             setattr(owner, attr, lin.to(getattr(owner, attr).weight.device))
             return
         lin = getattr(owner, attr)
@@ -88,3 +88,5 @@ def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], wher
     put_norm(model.norm.weight, pre + "norm.weight", h)
     if model.lm_head is not None:
         put(model.lm_head.weight, _take(tensors, "lm_head.weight", (c.vocab_size, h), where))
+    if scheme is not None:
+        model.scheme = scheme

@@ -22,8 +22,8 @@ from service.engine.runners import on_stream
 from service.engine.runners.full import BLAS, blas_library
 from service.engine.sampling import unpack
 from service.model.families import preset
-from service.model.fp8 import quantize_model
 from service.model.loader import random_model
+from service.model.quant.fp8 import quantize_model
 from tests.engine.helpers import Runners, chunk, prompts
 from tests.engine.test_graph_gpu import relerr, varlen_batch
 

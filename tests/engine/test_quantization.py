@@ -3,9 +3,13 @@ and serves close to the unquantized model (the GPU path: tests/model/test_fp8_gp
 
 from __future__ import annotations
 
+import torch
+
 from service.engine.core import EngineCore
-from service.model.fp8 import Fp8Linear
-from tests.engine.helpers import engine_cfg, tiny_loaded
+from service.model.quant.fp8 import quantize_model
+from service.model.quant.fp8_linear import Fp8Linear
+from tests.engine.helpers import Runners, engine_cfg, tiny_loaded
+from tests.model.prefill import Prefiller
 
 
 def test_fp8_engine_quantizes_unfolded_weights_and_says_so():
@@ -25,3 +29,22 @@ def test_fp8_engine_quantizes_unfolded_weights_and_says_so():
     finally:
         plain.close()
         fp8.close()
+
+
+def test_fp8_graph_runner_quantizes_into_its_static_scratch():
+    """The breakable runner's buffers carry the scratch the FP8 scheme declares (the CUDA
+    graphs' fixed addresses); its forward answers as the eager one does."""
+    model = tiny_loaded(seed=5).model
+    quantize_model(model)
+    runners = Runners(model, buckets=[8, 32])
+    try:
+        bufs, c = runners.breakable.bufs, model.cfg
+        assert bufs.qin.values.numel() == 32 * max(c.hidden_size, c.q_size)
+        assert bufs.qin_mlp.values.numel() == bufs.mlp_rows * c.intermediate_size
+        ids = list(range(7, 27))
+        eager = Prefiller(model)
+        logits, _, mode = runners.prefill([eager.chunk(ids)], eager.pool.cache)
+        assert mode == "graph"
+        torch.testing.assert_close(logits[-1], eager.last_logits([ids])[0])
+    finally:
+        runners.close()

@@ -6,7 +6,7 @@ import torch
 
 from kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
 from kernels.quant_fp8 import quantize_ref
-from service.model.fp8 import quantize_blocks
+from service.model.quant.fp8_linear import quantize_blocks
 
 SMALL = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=2)
 
@@ -42,7 +42,7 @@ def test_gemm_matches_the_reference(M, N, K, bias, device):
 def test_cublas_block_scaled_gemm_agrees():
     """torch._scaled_mm with the same block scales (what Fp8Linear runs when this torch has
     it) against the reference: the same reduced-precision partial sums, bf16 out."""
-    from service.model.fp8 import cublas_block_scales
+    from service.model.quant.fp8_linear import cublas_block_scales
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -16,6 +16,7 @@ from service.engine.dp import DPGroup
 from service.engine.kv_pool import KVPool
 from service.model.layers import gated_mlp
 from service.model.loader import LoadedModel, random_model
+from service.model.quant.plain import Linear
 from tests.engine.helpers import PAGE, Runners, chunk, engine_cfg, prompts, tiny_cfg
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -83,8 +84,8 @@ def test_folded_gated_mlp_adds_into_its_input_in_chunks():
     torch.manual_seed(0)
     d, f, eps = 24, 40, 1e-5
     g = torch.rand(d) + 0.5
-    gate_up = torch.nn.Linear(d, 2 * f, bias=False)
-    down = torch.nn.Linear(f, d, bias=False)
+    gate_up = Linear(d, 2 * f, bias=False)
+    down = Linear(f, d, bias=False)
     x = 3 * torch.randn(37, d)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
     with torch.inference_mode():

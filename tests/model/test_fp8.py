@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from kernels.quant_fp8 import E4M3, E4M3_MAX, dequantize, quantize_ref
-from service.model.fp8 import Fp8Linear, quantize_blocks, quantize_model
+from service.model.quant.fp8 import quantize_model
+from service.model.quant.fp8_linear import Fp8Linear, quantize_blocks
 from tests.engine.helpers import tiny_model
 from tests.model.prefill import Prefiller
 

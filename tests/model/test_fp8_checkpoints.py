@@ -12,9 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.quant_fp8 import E4M3, dequantize, quantize_ref
+from service.engine.core import EngineCore
 from service.model.errors import ModelLoadError
-from service.model.fp8 import Fp8Linear, quantize_blocks
 from service.model.loader import load_model
+from service.model.quant.fp8_linear import Fp8Linear, quantize_blocks
+from tests.engine.helpers import engine_cfg
 from tests.model.checkpoints import write_tokenizer
 from tests.model.prefill import Prefiller
 
@@ -30,6 +32,15 @@ def compressed(weights: str, acts: str) -> dict:
                 "targets": ["Linear"],
                 "weights": {**FLOAT8, "strategy": weights, "dynamic": False},
                 "input_activations": {**FLOAT8, "strategy": acts, "dynamic": acts == "token"}}}}
+
+
+def block_compressed(blocks: list[int], acts: str, group: int | None) -> dict:
+    """llmcompressor's FP8_BLOCK config (tests/model/data/llama-fp8-block) with other values."""
+    qc = compressed("channel", "token")
+    qc["config_groups"]["group_0"].update(
+        weights={**FLOAT8, "strategy": "block", "block_structure": blocks, "dynamic": False},
+        input_activations={**FLOAT8, "strategy": acts, "group_size": group, "dynamic": True})
+    return qc
 
 
 BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -92,18 +103,22 @@ STATIC = {"q_proj": 0.02, "k_proj": 0.02, "v_proj": 0.02, "o_proj": 0.01, "gate_
           "up_proj": 0.03, "down_proj": 0.005}
 
 
-@pytest.mark.parametrize("qc, inputs", [
-    (compressed("channel", "token"), None),
-    (compressed("tensor", "token"), None),
-    (compressed("tensor", "tensor"), STATIC),
-    (BLOCK_FP8, None),
+@pytest.mark.parametrize("qc, inputs, label", [
+    (compressed("channel", "token"), None, "weights per channel, activations per token"),
+    (compressed("tensor", "token"), None, "weights per tensor, activations per token"),
+    (compressed("tensor", "tensor"), STATIC,
+     "weights per tensor, activations static per tensor"),
+    (BLOCK_FP8, None, "weights per 128x128 block, activations per 128-column group"),
 ], ids=["channel-token", "tensor-token", "tensor-static", "block128"])
-def test_fp8_checkpoint_loads_as_published(tmp_path, qc, inputs):
+def test_fp8_checkpoint_loads_as_published(tmp_path, qc, inputs, label):
     import transformers
 
     ref = base_model()
     deq = write_fp8(tmp_path / "ckpt", ref, qc, inputs)
     ours = load_model(tmp_path / "ckpt", "cpu", torch.float32)
+    engine = EngineCore(engine_cfg(), loaded=ours)  # it reports what the checkpoint holds
+    assert engine.info().quantization == f"fp8 e4m3, {label}"
+    engine.close()
     raw = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     layer = ours.model.layers[1]
     qkv = layer.qkv_proj
@@ -160,7 +175,11 @@ def fake_quant(x: torch.Tensor, qc: dict, inputs: dict[str, float] | None,
     ({**compressed("channel", "token"), "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {**FLOAT8, "strategy": "group", "group_size": 128},
         "input_activations": {**FLOAT8, "strategy": "token", "dynamic": True}}}}, "weights"),
-], ids=["awq", "fp8-no-blocks", "fp8-static", "int8", "weight-only", "group-weights"])
+    (block_compressed([64, 64], "group", 128), "'block_structure': \\[64, 64\\]"),
+    (block_compressed([128, 128], "token", None), "input_activations .* with block weights"),
+    (block_compressed([128, 128], "group", 64), "'group_size': 64"),
+], ids=["awq", "fp8-no-blocks", "fp8-static", "int8", "weight-only", "group-weights",
+        "block-64", "block-token", "block-group-64"])
 def test_schemes_that_cannot_run_exactly_are_refused(tmp_path, qc, match):
     write_fp8(tmp_path / "ckpt", base_model(), BLOCK_FP8)
     raw = json.loads((tmp_path / "ckpt" / "config.json").read_text())
@@ -182,5 +201,5 @@ def test_fp8_tensors_without_a_scheme_are_refused(tmp_path):
     raw = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     raw.pop("quantization_config")
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="outside an FP8 scheme"):
+    with pytest.raises(ModelLoadError, match="outside a quantization scheme"):
         load_model(tmp_path / "ckpt")

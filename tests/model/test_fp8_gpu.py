@@ -18,8 +18,10 @@ from torch import nn
 
 from service.model.attention import AttentionBackend
 from service.model.families import preset
-from service.model.fp8 import PROJECTIONS, Fp8Linear, quantize_blocks, quantize_model
 from service.model.loader import random_model
+from service.model.quant import replace_projections
+from service.model.quant.fp8 import Fp8, quantize_model
+from service.model.quant.fp8_linear import Fp8Linear, quantize_blocks
 from tests.model.prefill import Prefiller
 
 pytestmark = [pytest.mark.gpu,
@@ -30,13 +32,9 @@ def _quantize(model: nn.Module, fmt: str) -> nn.Module:
     if fmt == "channel":
         quantize_model(model)
         return model
-    for layer in model.layers:
-        for path in PROJECTIONS:
-            owner, _, name = path.rpartition(".")
-            parent = layer.get_submodule(owner) if owner else layer
-            lin = getattr(parent, name)
-            setattr(parent, name, Fp8Linear(*quantize_blocks(lin.weight.data),
-                                            None if lin.bias is None else lin.bias.data))
+    replace_projections(model, lambda lin: Fp8Linear(
+        *quantize_blocks(lin.weight.data), None if lin.bias is None else lin.bias.data))
+    model.scheme = Fp8("block", "group", "weight_scale_inv")
     return model
 
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from service.model.layers import gated_mlp, mlp_row_chunks
+from service.model.quant.plain import Linear
 
 CAP = 32
 D, F = 24, 80
 
 
 @pytest.fixture(scope="module")
-def mlp() -> tuple[nn.Linear, nn.Linear]:
+def mlp() -> tuple[Linear, Linear]:
     torch.manual_seed(0)
-    return nn.Linear(D, 2 * F, bias=False), nn.Linear(F, D, bias=False)
+    return Linear(D, 2 * F, bias=False), Linear(F, D, bias=False)
 
 
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, CAP, CAP + 1, 3 * CAP + 5])

@@ -32,7 +32,7 @@ class BreakableRunner:
 
     def allocate(self) -> StaticBuffers:
         return StaticBuffers.allocate(self.cfg, self.buckets.largest, self.dtype, self.device,
-                                      self.model.mlp_width, fp8=self.model.quantized)
+                                      self.model.mlp_width, scratch=self.model.scheme.scratch)
 
     @torch.inference_mode()
     def capture(self, kv: KVCache, on_bucket: Callable[[int, int], None] | None = None) -> None:

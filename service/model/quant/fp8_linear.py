@@ -1,4 +1,4 @@
-"""FP8 (e4m3) projections: the W8A8 scheme, its exact PyTorch reference and its GPU kernels.
+"""FP8 (e4m3) projections: the W8A8 arithmetic, its exact PyTorch reference and its GPU kernels.
 
 Weights are e4m3 with a scale per output channel (or per 128 × 128 block, as Qwen3's FP8
 checkpoints ship them); activations are quantized per token (or per 128-column group with block
@@ -7,9 +7,8 @@ SiLU-and-mul, or a launch of its own for the O projection's input); products are
 and scaled back. On CUDA the GEMMs are cuBLASLt's (torch._scaled_mm: row-wise scales, or block
 scales where this torch has them) or our Triton block-scaled kernel (kernels/fp8_gemm.py);
 elsewhere the reference emulates the same arithmetic exactly: e4m3 rounding of both operands
-with the same scales, an fp32 product. `Fp8Linear` stands where an `nn.Linear` projection
-stands; `service.model.layers` calls it, so the family modules do not change with the
-precision."""
+with the same scales, an fp32 product. `Fp8Linear` has the Projection interface
+(service/model/quant/__init__.py); service/model/quant/fp8.py is the scheme that makes them."""
 
 from __future__ import annotations
 
@@ -117,6 +116,8 @@ class Fp8Linear(nn.Module):
     one static `input_scale` for the whole tensor. Triton kernels quantize and multiply on
     CUDA (`use_triton`, None: by the input's device); elsewhere the PyTorch reference."""
 
+    foldable = False  # an e4m3 weight times a norm weight is no longer e4m3
+
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None):
         super().__init__()
@@ -171,6 +172,21 @@ class Fp8Linear(nn.Module):
                             static=self.input_scale, use_triton=self._triton(gate_up))
         return QuantizedRows(values, scale, gate_up.dtype)
 
+    def normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, scratch: Fp8Scratch | None = None
+               ) -> QuantizedRows:
+        """The norm's rows quantized by its own launch (x is left as it was)."""
+        return self.quantize(x, scratch, residual=residual, norm=norm)
+
+    def gated(self, gate_up: torch.Tensor, activation: str, scratch: Fp8Scratch | None = None,
+              *, use_triton: bool = False, norm_rows: torch.Tensor | None = None,
+              eps: float = 0.0) -> QuantizedRows:
+        assert norm_rows is None, "quantized projections run with their norms unfolded"
+        return self.quantize_act(gate_up, activation, scratch)
+
+    def fold_norm(self, weight: torch.Tensor) -> None:
+        raise AssertionError("norms fold into unquantized projections only")
+
     def matmul(self, x: torch.Tensor | QuantizedRows, out: torch.Tensor | None = None, *,
                accumulate: bool = False, bias: bool = True,
                scratch: Fp8Scratch | None = None) -> torch.Tensor:
@@ -201,41 +217,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
-    def describe(self) -> str:
-        acts = "static per tensor" if self.input_scale is not None else (
-            "per 128-column group" if self.block else "per token")
-        weights = "128x128 block" if self.block else "channel"
-        return f"fp8 e4m3, weights per {weights}, activations {acts}"
-
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 values (tests and folding checks)."""
         return dequantize(self.weight, self.weight_scale)
-
-
-PROJECTIONS = ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
-def precision(model: nn.Module) -> str:
-    """"none" when no projection is quantized, else what the quantized ones are."""
-    kinds = sorted({m.describe() for m in model.modules() if isinstance(m, Fp8Linear)})
-    return "; ".join(kinds) or "none"
-
-
-@torch.no_grad()
-def quantize_model(model: nn.Module) -> None:
-    """Every layer's projections to per-channel FP8 in place (embedding and LM head stay).
-    The pre-norms' weights are multiplied into QKV and gate/up first and quantized with them,
-    so the channels a norm weight magnifies meet the per-channel weight scales rather than
-    inflating each token's activation scale (bench/fp8_accuracy.py measures the result). The
-    norms still run (unit weights): their launch writes the quantized rows (Fp8Linear.quantize)."""
-    assert not getattr(model, "norms_folded", False), "quantize before folding norms"
-    for layer in model.layers:
-        if not layer.cfg.sandwich_norms and isinstance(layer.qkv_proj, nn.Linear) and isinstance(
-                layer.mlp.gate_up_proj, nn.Linear):
-            layer.fold_norm_weights()
-        for path in PROJECTIONS:
-            owner, _, name = path.rpartition(".")
-            parent = layer.get_submodule(owner) if owner else layer
-            lin = getattr(parent, name)
-            if isinstance(lin, nn.Linear):
-                setattr(parent, name, Fp8Linear.from_linear(lin))
