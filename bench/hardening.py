@@ -43,6 +43,7 @@ from bench.hardening_service import (  # noqa: E402
     LOOP,
     Service,
     alive,
+    checkout_service,
     post,
     push,
     submit,
@@ -365,10 +366,7 @@ def main() -> None:
     ap.add_argument("--logs", type=Path, help="a folder to copy the service's logs into")
     args = ap.parse_args()
     repo, python = args.repo.resolve(), sys.executable
-    service_file = subprocess.run([python, "-c", "import service; print(service.__file__)"],
-                                  cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
-                                  capture_output=True, text=True, check=True).stdout.strip()
-    assert service_file.startswith(f"{repo}/"), f"{service_file} is not {repo}'s"
+    service_file = checkout_service(repo, python)
     run = {"meta": meta(repo, python, service_file)}
     print(f"{args.label}: {repo} at {run['meta']['commit']} ({service_file})")
     only = set(args.only.split(",")) if args.only else set(SCENARIOS)

@@ -131,3 +131,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOP, 0))
         return s.getsockname()[1]
+
+
+def checkout_service(repo: Path, python: str) -> str:
+    """The `service` package `python` imports in `repo`, checked to be that checkout's own."""
+    path = subprocess.run([python, "-c", "import service; print(service.__file__)"], cwd=repo,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert path.startswith(f"{repo}/"), f"{path} is not {repo}'s"
+    return path

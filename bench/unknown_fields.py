@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import hardening_service  # noqa: E402
 from bench.common import markdown_table  # noqa: E402
 from bench.hardening import meta  # noqa: E402
-from bench.hardening_service import LOOP, Service, proc_stat  # noqa: E402
+from bench.hardening_service import LOOP, Service, checkout_service, proc_stat  # noqa: E402
 
 PORTS = iter(range(18300, 18350))
 
@@ -124,10 +123,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3)
     args = ap.parse_args()
     repo, python = args.repo.resolve(), sys.executable
-    service_file = subprocess.run([python, "-c", "import service; print(service.__file__)"],
-                                  cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
-                                  capture_output=True, text=True, check=True).stdout.strip()
-    assert service_file.startswith(f"{repo}/"), f"{service_file} is not {repo}'s"
+    service_file = checkout_service(repo, python)
     run = {"meta": {**meta(repo, python, service_file), "api_workers": 1},
            "result": measure(repo, python, args.keys, args.requests)}
     print(json.dumps(run["result"], indent=1))
