@@ -100,9 +100,9 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", description="Listen address.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
     admin_port: int = Field(8001, ge=0, le=65535, validate_default=True, description=(
-        "A second listener serving only `GET /health`, `/ready` and `/metrics`, with its own "
-        "small connection allowance, so probes and scrapes are answered whatever client "
-        "connections do to PORT; `0`: none."))
+        "Probes and scrapes only (`GET`/`HEAD` `/health`, `/ready`, `/metrics`), served by a "
+        "process of their own, so they are answered whatever clients do to PORT and its "
+        "workers; idle connections beyond its allowance are shed oldest first. `0`: none."))
     api_key: str | None = Field(None, description=(
         "When set, POST endpoints need `Authorization: Bearer <key>`; `/health`, `/ready` and "
         "`/metrics` stay open. Set but empty stops start-up (it would disable authentication)."))
