@@ -17,6 +17,7 @@ import zmq.asyncio
 from service.engine import messages as m
 from service.engine.board import QueueBoard
 from service.engine.interface import (
+    SHUTTING_DOWN,
     EngineInfo,
     EngineStats,
     EngineTimeout,
@@ -92,7 +93,7 @@ class EngineClient:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all(NotReady("server is shutting down; retry on another replica"))
+        self._fail_all(NotReady(SHUTTING_DOWN))
         if self._ctx is not None:
             self._push.close(0)
             self._control.close(0)
@@ -112,7 +113,7 @@ class EngineClient:
             why = f": {self.error}" if self.error else ""
             return NotReady(f"engine is {self.state}{why}")
         if self._board is None:
-            return NotReady("server is shutting down; retry on another replica")
+            return NotReady(SHUTTING_DOWN)
         queue, retry_after_s = self._board.read()
         if queue + prompts > self.max_queue:
             return QueueFull(f"{queue} prompts queued, limit {self.max_queue}", retry_after_s)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from service.api.engine_client import EngineClient
 from service.config import EngineConfig, ServerConfig
-from service.engine.interface import EngineStats, NotReady
+from service.engine.interface import SHUTTING_DOWN, EngineStats, NotReady
 from service.engine.pages import pages_for
 from service.metrics import Metrics
 from service.model.tokenizer import TextTokenizer
@@ -56,7 +56,7 @@ class AppState:
     def refusal(self) -> Exception | None:
         """Why a prefill request would be refused now, or None."""
         if self.draining:
-            return NotReady("server is draining (shutting down); retry on another replica")
+            return NotReady(SHUTTING_DOWN)
         return self.engine.admission_error()
 
     def snapshot(self, stats: EngineStats) -> dict[str, float | str]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from service.config import EngineConfig, ServerConfig
-from service.engine.interface import NotReady
+from service.engine.interface import SHUTTING_DOWN, NotReady
 from service.engine.messages import Addresses
 from service.model.tokenizer import TextTokenizer
 from service.process import exit_now, freeze_heap, setup_child
@@ -30,7 +30,6 @@ log = logging.getLogger("service.worker")
 
 SHUTDOWN_MARGIN_S = 5.0  # drain end -> exit: answer what is in flight, close, stop the engine
 RESPONSE_FLUSH_S = 2.0  # of that margin: the last responses going out
-SHUTTING_DOWN = "server is shutting down; retry on another replica"
 
 
 class DrainingServer(uvicorn.Server):

@@ -21,6 +21,9 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+SHUTTING_DOWN = "server is shutting down; retry on another replica"
+
+
 class NotReady(Exception):
     """The engine is loading, draining, stopped or dead."""
 

@@ -20,6 +20,7 @@ from service.engine.batching import Batch, form_batch
 from service.engine.chunk_size import ChunkSizer
 from service.engine.finish_rate import FinishRate
 from service.engine.interface import (
+    SHUTTING_DOWN,
     EngineInfo,
     EngineStats,
     ForwardFailed,
@@ -171,7 +172,7 @@ class Scheduler:
             self._cv.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.abort(NotReady("server is shutting down; retry on another replica"))
+        self.abort(NotReady(SHUTTING_DOWN))
         with self._cv:
             if self.state in ("loading", "ready"):
                 self.state = "stopped"
