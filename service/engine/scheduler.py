@@ -2,9 +2,8 @@
 
 Other threads only call `submit`/`cancel`/`abort`, under the lock. Admission is FIFO with all of
 a prompt's pages. On a GPU, forward n + 1 is launched before forward n is read; the one stream
-orders them, so a page freed or reused meanwhile is written in turn. Where a launch runs the
-whole forward (the CPU), each forward's results are delivered before the next one runs, and each
-prompt's chunk is sized to about a second (chunk_size.py), so a cancel stops it that soon."""
+orders them, so a page freed or reused meanwhile is written in turn. On the CPU each forward is
+delivered before the next, its chunks sized to about a second (chunk_size.py)."""
 
 from __future__ import annotations
 
