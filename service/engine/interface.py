@@ -21,7 +21,7 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-SHUTTING_DOWN = "server is shutting down; retry on another replica"
+SHUTTING_DOWN = "server is draining (shutting down); retry on another replica"
 
 
 class NotReady(Exception):
