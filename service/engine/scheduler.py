@@ -134,9 +134,9 @@ class Scheduler:
                 # + the shared query's page it copies, held with it
                 need = pages_for(r.num_tokens, ps) + (r.shared % ps > 0)
                 if need > alloc.capacity:
-                    raise KVPoolExhausted(
-                        f"a prompt of {r.num_tokens} tokens needs {need} KV pages; the pool "
-                        f"has {alloc.capacity} ({alloc.capacity * ps} tokens)")
+                    raise KVPoolExhausted(f"a prompt of {r.num_tokens} tokens needs {need} KV "
+                                          f"pages; the pool has {alloc.capacity} "
+                                          f"({alloc.capacity * ps} tokens)")
             self._waiting.extend(reqs)
             self._queue_changed()
             self._cv.notify()
@@ -191,8 +191,7 @@ class Scheduler:
             return
         with self._cv:
             self.engine = engine
-            self.info = dataclasses.replace(engine.info(),
-                                            load_seconds=time.perf_counter() - t0)
+            self.info = dataclasses.replace(engine.info(), load_seconds=time.perf_counter() - t0)
             self.cache = PrefixCache(engine.pool.allocator, engine.pool.page_size,
                                      self.prefix_cache_enabled)
             self._sizer = ChunkSizer(engine.model_cfg) if engine.synchronous else None
@@ -240,9 +239,7 @@ class Scheduler:
     def _fail(self, msg: str) -> None:
         with self._cv:
             self.state, self.error = "failed", msg
-            pending = list(self._waiting) + list(self._running)
-            self._waiting.clear()
-            self._running.clear()
+            pending, self._waiting, self._running = [*self._waiting, *self._running], deque(), []
             self._queue_changed()
         for r in pending:
             r.answer(None, NotReady(msg))
