@@ -33,15 +33,15 @@ import torch  # noqa: E402
 
 from bench.common import bench_ms, out_dir, relerr, run_meta  # noqa: E402
 from service.engine.batch import SeqChunk, build_batch  # noqa: E402
-from service.engine.buckets import Buckets, default_ladder  # noqa: E402
 from service.engine.dp import DPGroup, DPRunner  # noqa: E402
-from service.engine.full_buffers import capture_chunks  # noqa: E402
-from service.engine.graph import CudaGraphBackend, SegmentBackend  # noqa: E402
 from service.engine.kv_pool import KVPool  # noqa: E402
 from service.engine.memory import plan_kv  # noqa: E402
 from service.engine.runners import eager_peak_bytes, on_stream  # noqa: E402
 from service.engine.runners.breakable import BreakableRunner  # noqa: E402
+from service.engine.runners.buckets import Buckets, default_ladder  # noqa: E402
 from service.engine.runners.eager import EagerRunner  # noqa: E402
+from service.engine.runners.full_buffers import capture_chunks  # noqa: E402
+from service.engine.runners.graph import CudaGraphBackend, SegmentBackend  # noqa: E402
 from service.model.decoder import Eager  # noqa: E402
 from service.model.families import preset  # noqa: E402
 from service.model.loader import random_model  # noqa: E402

@@ -1,14 +1,12 @@
-"""Every Prometheus metric of the service, in base units; every series has the `model_name` label.
+"""Every Prometheus metric of the service, in base units, labelled with `model_name`.
 
-Counters and histograms are recorded where they happen (API workers, the engine process); with
-PROMETHEUS_MULTIPROC_DIR set (by the supervisor) prometheus-client keeps them in per-process files
-(an API worker's named by its slot: `use_slot`) that any worker's scrape sums. Gauges come from a
-plain-number snapshot taken at scrape time."""
+Counters and histograms: per-process files any worker's scrape sums; gauges: a snapshot."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -23,7 +21,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from service.engine.interface import PromptResult
+
+class PromptTimes(Protocol):
+    """What one answered prompt's metrics read."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
 
 REQUEST_STATUSES = ("ok", "bad_request", "rejected", "error", "cancelled", "unauthorized")
 FORWARD_MODES = ("graph", "eager")
@@ -57,15 +62,11 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
                          "between chunks)."),
     "ready": ("prefill_ready", "1 when the service accepts prefill requests."),
 }
-# The KV pool's shape as an info metric (value 1, the numbers in labels, SGLang's label names),
-# from snapshot keys "page_size" and "kv_pages": the inference gateway's endpoint picker sizes its
-# prefix-cache index from it (deploy/components/inference-gateway/epp-config.yaml).
+# SGLang's labels: the inference gateway's endpoint picker sizes its prefix-cache index from it
 CACHE_CONFIG_INFO = "prefill_cache_config_info"
 _CACHE_CONFIG_DOC = "KV pool: tokens per page (page_size) and pages prompts can hold (num_pages)."
 _CACHE_CONFIG_LABELS = ["page_size", "num_pages", "model_name"]
 
-# The model's precision as an info metric, from snapshot keys "dtype" and "quantization" ("none",
-# or its quantization scheme's label, as /info reports it)
 MODEL_INFO = "prefill_model_info"
 _MODEL_INFO_DOC = ("The served model's precision: dtype (activations, KV pool) and quantization "
                    "of its projections.")
@@ -77,16 +78,9 @@ _POW2 = tuple(float(1 << i) for i in range(0, 18))  # 1 .. 131072
 
 
 def use_slot(slot: int) -> None:
-    """Name this process's metric files after API worker slot `slot` rather than its pid; call
-    before the first metric is made.
-
-    The supervisor hands a dead worker's slot to its replacement, which reopens the files with
-    their values and counts on from them: the dead worker's counts stay in the sums, and the
-    directory holds one set of files per slot however many workers die (named by pid, every
-    death would add two files that each scrape reads). Gauges are never multiprocess files
-    here, so a dead worker leaves nothing to mark dead."""
-    # NOTE: one writer per file: the supervisor starts a replacement only after the process
-    # that held the slot has exited
+    """Name this process's metric files after worker slot `slot` (a replacement counts on from
+    them, so files do not grow with deaths); call before the first metric is made."""
+    # NOTE: one writer per file: a slot's replacement starts only after its holder exited
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         values.ValueClass = values.MultiProcessValue(lambda: f"worker{slot}")
 
@@ -107,7 +101,7 @@ class _Gauges(Collector):
             info.add_metric([*shape, self._model], 1.0)
         yield info
         model = GaugeMetricFamily(MODEL_INFO, _MODEL_INFO_DOC, labels=_MODEL_INFO_LABELS)
-        if "quantization" in snap:  # known once the engine has loaded the model
+        if "quantization" in snap:
             model.add_metric([str(snap["dtype"]), str(snap["quantization"]), self._model], 1.0)
         yield model
 
@@ -166,15 +160,13 @@ class Metrics:
         self.requests[status].inc()
 
     def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None:
-        """The scheduler's Observer hook, on the engine thread."""
         self.forwards[mode].inc()
         self.forward_seconds[mode].observe(seconds)
         self.batch_tokens.observe(tokens)
         self.batch_requests.observe(requests)
 
-    def on_results(self, results: Sequence[PromptResult]) -> None:
-        """A request's prompts, recorded by the API worker that answers it (the engine thread
-        has no time to spare for per-prompt metrics)."""
+    def on_results(self, results: Sequence[PromptTimes]) -> None:
+        """A request's prompts, recorded by the API worker that answers it."""
         for r in results:
             self.queue_wait.observe(r.queue_s)
             self.ttft.observe(r.queue_s + r.prefill_s)  # arrival in the engine to first token

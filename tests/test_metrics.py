@@ -46,3 +46,21 @@ def test_a_replacement_worker_adds_to_the_dead_workers_counts(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "counter_worker0.db", "counter_worker1.db", "histogram_worker0.db",
         "histogram_worker1.db"]
+
+
+def test_metrics_imports_nothing_from_the_engine() -> None:
+    """Per-prompt metrics take plain fields (metrics.PromptTimes), not an engine type."""
+    import ast
+
+    tree = ast.parse((REPO / "service" / "metrics.py").read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.startswith("service.engine")], names
+
+
+def test_on_results_takes_any_object_with_the_prompt_fields() -> None:
+    from types import SimpleNamespace
+
+    m = Metrics("plain")
+    m.on_results([SimpleNamespace(prompt_tokens=7, cached_tokens=3, queue_s=0.5, prefill_s=0.25)])
+    assert m.prompt_tokens._value.get() == 7 and m.cached_tokens._value.get() == 3

@@ -23,8 +23,8 @@ from service.engine.interface import (
     EngineTimeout,
     NotReady,
     PromptResult,
-    QueueFull,
     SamplingParams,
+    admission_error,
 )
 from service.engine.pages import page_keys
 
@@ -109,15 +109,11 @@ class EngineClient:
 
     def admission_error(self, prompts: int = 1) -> Exception | None:
         """Why `prompts` more prompts would be refused now (the engine's queue board); cheap."""
-        if self.state != "ready":
-            why = f": {self.error}" if self.error else ""
-            return NotReady(f"engine is {self.state}{why}")
-        if self._board is None:
+        if self._board is None and self.state == "ready":
             return NotReady(SHUTTING_DOWN)
-        queue, retry_after_s = self._board.read()
-        if queue + prompts > self.max_queue:
-            return QueueFull(f"{queue} prompts queued, limit {self.max_queue}", retry_after_s)
-        return None
+        queue, retry_after_s = self._board.read() if self._board is not None else (0, 1)
+        return admission_error(self.state, self.error, queue, prompts, self.max_queue,
+                               retry_after_s)
 
     def submit(self, prompts: Sequence[Sequence[int] | np.ndarray], params: SamplingParams,
                shared: int = 0) -> tuple[int, asyncio.Future[list[PromptResult]]]:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from service.engine.host_copy import HostCopy
-from service.engine.packing import Packing
 from service.engine.pages import DUMMY_SLOT, flatten_pages, page_table_array, token_slots
+from service.engine.runners.packing import Packing
 from service.model.meta import ForwardMeta, KVCache
 
 
@@ -21,11 +21,12 @@ def token_array(token_ids) -> np.ndarray:
 class SeqChunk:
     """One sequence's share of a forward: `ids` are new; `prefix_len` tokens are cached."""
 
-    ids: np.ndarray  # the new token ids, int64 (any sequence of ints is converted)
+    ids: np.ndarray
     prefix_len: int
-    pages: tuple[int, ...]  # pages covering prefix_len + len(ids) tokens
+    pages: tuple[int, ...]
     all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
     named: tuple[int, ...] = ()  # tokens whose logprobs at the last row the forward reduces
+    hidden: bool = False  # its last row's final-norm hidden state goes to the host
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ids, np.ndarray) and self.ids.dtype == np.int64):
@@ -44,8 +45,8 @@ class SeqChunk:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SeqChunk):
             return NotImplemented
-        return (self.prefix_len, self.pages, self.all_logits, self.named) == (
-            other.prefix_len, other.pages, other.all_logits, other.named
+        return (self.prefix_len, self.pages, self.all_logits, self.named, self.hidden) == (
+            other.prefix_len, other.pages, other.all_logits, other.named, other.hidden
         ) and np.array_equal(self.ids, other.ids)
 
 
@@ -58,10 +59,9 @@ class PrefillBatch:
     meta: ForwardMeta
     logits_rows: tuple[tuple[int, int], ...]  # per chunk: [start, end) into the logits rows
     last_rows: torch.Tensor  # (B,) int64 on the device: each chunk's last row of the logits
-    # (B, summary_width) float64 on its way to the host when a full graph reduced the last rows
-    summary: HostCopy | None = None
-    # (staging id, generation, shape) when staged: equal layouts share device addresses
-    layout: tuple | None = None
+    summary: HostCopy | None = None  # (B, summary_width) when a full graph reduced the last rows
+    layout: tuple | None = None  # when staged: equal layouts share device addresses
+    hidden: torch.Tensor | None = None  # (logits rows, hidden) the head's normed rows, if asked
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +148,6 @@ def _fill(h: HostBatch, host: tuple) -> None:
 def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
                 device: torch.device | str, pad_to: int | None = None,
                 staging: BatchStaging | None = None) -> PrefillBatch:
-    """Flatten chunks onto the device in ONE copy, padded to `pad_to`; via `staging` if given."""
     h = host_batch(chunks, kv.page_size, pad_to)
     key = (h.ids.size, h.logits_idx.size, len(h.q_lens), h.table.shape[1])
     if staging is not None:
@@ -171,11 +170,11 @@ def build_batch(chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache,
 class BatchStaging:
     """Reused buffers: addresses fixed per shape, valid only until the next batch is staged."""
 
-    MAX_SHAPES = 256  # cached view sets; past this the cache starts over
+    MAX_SHAPES = 256
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.generation = 0  # bumped when the buffers are reallocated (old views are stale)
+        self.generation = 0
         self._host = torch.empty(0, dtype=torch.int64)
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
         self._cuda = self.device.type == "cuda"
@@ -194,7 +193,6 @@ class BatchStaging:
         return dev
 
     def _cut(self, key: tuple[int, int, int, int]) -> tuple:
-        """(host views, device views, copy dst, copy src) of one shape; grows the buffers."""
         p = packing(key)
         if p.words > self._dev.numel():  # grow (the old buffers live on in earlier batches)
             size = max(p.words, 2 * self._dev.numel(), 1 << 14)

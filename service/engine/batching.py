@@ -17,13 +17,11 @@ Batch = list[tuple[Prompt, SeqChunk]]
 def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache,
                budget: int, max_prompts: int, rows: int,
                cap: Callable[[int], int] | None = None) -> Batch:
-    """Up to `budget` tokens, `max_prompts` chunks and `rows` prompt-logprob rows; with `cap`, a
-    prompt's chunk after p done tokens has at most cap(p). Admission is FIFO and gives a prompt
-    all its KV pages at once (cached full pages first, or its shared query's), moving it from
-    `waiting` to `running`."""
+    """Up to `budget` tokens, `max_prompts` chunks, `rows` logprob rows, chunks of at most cap(p)
+    after p tokens; FIFO admission with all of a prompt's pages."""
     ps = cache.page_size
     out: Batch = []
-    taken: set[int] = set()  # ids of the prompts in `out`
+    taken: set[int] = set()
 
     def take(r: Prompt) -> None:
         nonlocal budget, rows
@@ -76,7 +74,7 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
                 r.copy_tail = base.group_pages[len(reuse)], r.pages[len(reuse)]
             r.cached = r.done = r.shared
         elif r.items_left:
-            r.group_pages = list(r.pages)  # held for its prompts until the last is over
+            r.group_pages = list(r.pages)
             cache.hold(r.group_pages)
         r.admitted_at = time.perf_counter()
         running.append(r)

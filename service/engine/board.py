@@ -1,5 +1,4 @@
-"""The engine's queue length in a shared file (two int64), written on every change: workers
-answer 429 from a request's head without a round trip to the engine."""
+"""The engine's queue length in a shared file: workers answer 429 without asking the engine."""
 
 from __future__ import annotations
 

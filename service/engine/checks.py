@@ -1,6 +1,4 @@
-"""What the engine checks of a Submit before it queues anything: a message a worker's check
-missed (or anything else that reaches the sockets) fails that request alone, with an answer,
-never the engine or the batch it would have joined."""
+"""The engine's checks of a Submit: a bad one fails that request alone, never the engine."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ Keys = list[bytes] | None
 
 
 def submit_prompts(msg: m.Submit, info: EngineInfo) -> tuple[list[np.ndarray], list[Keys]]:
-    """The Submit's prompts as token arrays (the shared head put back in front of each tail)
-    and their page keys; raises InvalidRequest naming the first thing wrong."""
+    """The Submit's prompts as token arrays and their page keys, or InvalidRequest naming why."""
     n = len(msg.prompts)
     if n == 0:
         raise InvalidRequest("a request needs at least one prompt")
@@ -60,8 +57,7 @@ def page_keys(blobs: list[bytes], ids: list[np.ndarray], page_size: int) -> list
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
-    """What SamplingParams cannot check alone: the tokens it names are the model's, and some
-    token can still come first."""
+    """The named tokens are the model's, and some token can still come first."""
     for name, ids in (("logprob_token_ids", params.logprob_token_ids),
                       ("logit_bias", [t for t, _ in params.logit_bias]),
                       ("allowed_token_ids", params.allowed_token_ids),

@@ -1,10 +1,6 @@
-"""Chunk sizes where one launch runs a whole forward (the CPU): each prompt's next chunk is sized
-to about SLICE_S of work at the speed its recent forwards measured, so a cancel, a deadline or a
-newly queued prompt waits about that long for a chunk boundary, not for a whole long prompt.
+"""CPU chunk sizes: about SLICE_S of measured work each, so a cancel waits for no long prompt.
 
-A chunk of n tokens after p cached ones costs n * (p + n + dense) query-key pairs: the attention
-reference masks a dense (n, p + n) score matrix, and `dense` is a token's projection and MLP work
-in the same unit."""
+A chunk of n tokens after p costs n * (p + n + dense) query-key pairs (dense: projections, MLP)."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ class ChunkSizer:
         h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         # projection + MLP FLOPs of a token, 2h(2q + 2kv + 3f), over a pair's QK + PV, 4q
         self.dense = h * (2 * q + 2 * kv + 3 * f) / (2 * q)
-        self.rate = 0.0  # pairs per second; 0 until a forward is measured
+        self.rate = 0.0  # pairs per second
 
     def work(self, tokens: int, prefix: int) -> float:
         return tokens * (prefix + tokens + self.dense)

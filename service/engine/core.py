@@ -1,6 +1,4 @@
-"""EngineCore: load → capture → size the KV pool → warm up → forward batches.
-
-A forward goes to the first runner that accepts it: full graph, breakable graphs, eager."""
+"""EngineCore: its start-up sequence, then forwards on the first runner that accepts them."""
 
 from __future__ import annotations
 
@@ -13,29 +11,25 @@ import torch
 
 from kernels.extend_attention_config import prefix_batch_rows
 from service.config import EngineConfig
-from service.engine.batch import BatchStaging, SeqChunk
-from service.engine.buckets import Buckets, resolve_buckets
-from service.engine.capture import Graphs, capture_and_size
-from service.engine.dp import DPGroup, DPRunner
-from service.engine.graph import CudaGraphBackend
-from service.engine.host_copy import HostCopy
+from service.engine.batch import SeqChunk
+from service.engine.dp import DPGroup, placement
+from service.engine.host_copy import HostCopy, to_device
 from service.engine.interface import EngineInfo, MemoryReport
 from service.engine.kv_pool import KVPool
 from service.engine.memory import (
     InsufficientMemory,
     MemoryReader,
+    cpu_kv_tokens,
+    cpu_report,
     cuda_free_bytes,
     gib,
+    size_kv,
 )
 from service.engine.pages import pages_for
-from service.engine.runners import Runner
-from service.engine.runners.breakable import BreakableRunner
-from service.engine.runners.eager import EagerRunner
-from service.engine.runners.full import FullGraphRunner
+from service.engine.placement import prepared
+from service.engine.runners.capture import capture, eager_peak, settle
 from service.engine.sampling import LastRow, named_rows, summarize, unpack
-from service.model.errors import ModelLoadError
 from service.model.loader import LoadedModel, load
-from service.model.quant import apply as apply_quantization
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +41,25 @@ __all__ = ["EngineCore", "ForwardOutput", "InsufficientMemory", "Launched", "Mem
 class ForwardOutput(NamedTuple):
     logits: list[torch.Tensor]  # per chunk: (rows, vocab) fp32 on the model's device
     last: list[LastRow]  # per chunk: its last row's greedy token and top logprobs, on the host
-    mode: str  # "graph" | "eager"
-    seconds: float  # from launch until its summary reached the host
+    mode: str
+    seconds: float
+    hidden: dict[int, torch.Tensor] = {}  # chunk -> its last row's final-norm hidden (host)
 
 
 class Launched:
     """A queued forward; its logits are its own, so the next may launch before its `wait()`."""
 
-    __slots__ = ("logits", "summary", "named", "mode", "t0")
+    __slots__ = ("logits", "summary", "named", "hidden", "mode", "t0")
 
     def __init__(self, logits: list[torch.Tensor], summary: HostCopy | None, mode: str,
-                 t0: float, named: tuple[list[int], HostCopy] | None = None):
+                 t0: float, named: tuple[list[int], HostCopy] | None = None,
+                 hidden: tuple[list[int], HostCopy] | None = None):
         self.logits, self.summary, self.mode, self.t0 = logits, summary, mode, t0
-        self.named = named  # (chunks that name tokens, their logprobs on the way to the host)
+        self.named, self.hidden = named, hidden
 
     def ready(self) -> bool:
-        return ((self.summary is None or self.summary.ready())
-                and (self.named is None or self.named[1].ready()))
+        return all(c is None or c.ready() for c in (self.summary, self.named and self.named[1],
+                                                    self.hidden and self.hidden[1]))
 
     def wait(self) -> ForwardOutput:
         last = unpack(self.summary.get()) if self.summary is not None else []
@@ -71,7 +67,10 @@ class Launched:
             chunks, copy = self.named
             for i, vals in zip(chunks, copy.get().tolist()):
                 last[i].named = vals
-        return ForwardOutput(self.logits, last, self.mode, time.perf_counter() - self.t0)
+        hidden = {}
+        if self.hidden is not None:
+            hidden = dict(zip(self.hidden[0], self.hidden[1].get().unbind(0)))
+        return ForwardOutput(self.logits, last, self.mode, time.perf_counter() - self.t0, hidden)
 
 
 def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_positions: int
@@ -90,79 +89,82 @@ class EngineCore:
 
     def __init__(self, cfg: EngineConfig, *, loaded: LoadedModel | None = None,
                  memory_reader: MemoryReader | None = None, dp_group: DPGroup | None = None):
-        self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        self.dtype = _DTYPES[cfg.dtype]
-        cuda = self.device.type == "cuda"
-        if cfg.cpu_threads:
-            torch.set_num_threads(cfg.cpu_threads)
-        reader = memory_reader or (cuda_free_bytes(self.device) if cuda else None)
-        free_before = reader() if reader is not None else 0
-        loaded = loaded or load(cfg.model_path, cfg.model_preset, self.device, self.dtype)
-        self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
-        self.model.attn.hopper = cfg.attention_hopper_kernel
-        self.model_path = str(loaded.path)
-        apply_quantization(self.model, cfg.quantization)  # what it frees joins the KV pool
-        self.precision = self.model.scheme.label
-        if self.model.quantized and dp_group is not None:
-            raise ModelLoadError(f"{self.model_path}: {self.precision} projections are not "
-                                 "sharded across data-parallel ranks")
-        if cfg.fold_norms and dp_group is None and self.dtype != torch.float16:
-            self.model.fold_norms()  # not into projections that cannot take a norm's weight
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        # On the CPU a launch runs the whole forward: nothing to overlap with the next one
-        self.synchronous = not cuda
-        self.graphs, self.runners = self._runners(dp_group)
-        self.forward_counts = {"graph": 0, "eager": 0}
-        self.runs = {r.name: 0 for r in self.runners}
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        context = min(cfg.max_prompt_tokens, self.model.max_positions)
-        if reader is not None:
-            report, plan = capture_and_size(
-                self.model, self.graphs, self.runners[-1], self.stream, reader, free_before,
-                weights, cfg.mem_fraction_static, cfg.page_size, cfg.max_prefill_tokens)
-            kv_tokens = plan.tokens
+        self.cfg, self.device, self.dtype = cfg, torch.device(cfg.device), _DTYPES[cfg.dtype]
+        self.placement = placement(dp_group)
+        reader, free_before = self._measure_free_memory(memory_reader)
+        self._load(loaded)
+        self._build_runners()
+        if reader is None:
+            report = self._size_cpu_kv()
         else:
-            report = MemoryReport(
-                free_before_bytes=0, weights_bytes=weights, capture_bytes=0,
-                retained_input_bytes=0, kv_bytes=0, kv_tokens=0, reserve_bytes=0,
-                eager_peak_bytes=0, mem_fraction_static=cfg.mem_fraction_static,
-                capture_seconds=0.0, path="cpu")
-            if cfg.kv_cache_bytes is None:  # room for two prompts of the longest accepted length
-                kv_tokens = 2 * pages_for(context, cfg.page_size) * cfg.page_size
-            else:
-                bpt = self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
-                kv_tokens = max(cfg.kv_cache_bytes // bpt // cfg.page_size - 1, 2) * cfg.page_size
-        self.pool = KVPool(self.model_cfg, kv_tokens, cfg.page_size, self.dtype, self.device)
-        if cuda:
-            torch.cuda.synchronize(self.device)  # the pool's zero-fill, before the stream uses it
-        self.memory = dataclasses.replace(report, kv_bytes=self.pool.nbytes,
-                                          kv_tokens=self.pool.capacity_tokens)
+            scratch, peak = self._eager_peak()
+            free_pre, capture_s = capture(self.graphs, scratch.cache, reader)
+            del scratch  # NOTE: freed before the sizing reads what is free after capture
+            report = self._size_kv(reader, (free_before, free_pre), peak, capture_s)
+        self._allocate_kv(report)
         self.warm_up()
         self._log_ready()
 
-    def _runners(self, dp_group: DPGroup | None) -> tuple[Graphs | None, list[Runner]]:
-        """The graph runners (None without graphs) and every runner, in the order asked."""
+    def _measure_free_memory(self, memory_reader: MemoryReader | None
+                             ) -> tuple[MemoryReader | None, int]:
+        """The free-memory reader (None on the CPU) and its reading before loading."""
+        if self.cfg.cpu_threads:
+            torch.set_num_threads(self.cfg.cpu_threads)
+        cuda = self.device.type == "cuda"
+        reader = memory_reader or (cuda_free_bytes(self.device) if cuda else None)
+        return reader, reader() if reader is not None else 0
+
+    def _load(self, loaded: LoadedModel | None) -> None:
+        """The model with its QUANTIZATION scheme applied, prepared for this placement."""
         cfg = self.cfg
-        sizes = (resolve_buckets(cfg.cuda_graph_buckets, cfg.cuda_graph_max_tokens,
-                                 cfg.max_prefill_tokens) if self.stream is not None else ())
-        backend = CudaGraphBackend(self.stream) if sizes else None
-        if dp_group is not None:
-            dp = DPRunner(self.model, Buckets(sizes), backend, dp_group, self.stream)
-            return (Graphs(dp) if sizes else None), [dp]
-        staging = BatchStaging(self.device) if self.stream is not None else None
-        eager = EagerRunner(self.model, self.stream, staging)
-        if not sizes:
-            return None, [eager]
-        breakable = BreakableRunner(self.model, Buckets(sizes), backend, self.stream, staging)
-        full = None
-        if cfg.cuda_graph_full_max_tokens > 0:
-            context = min(cfg.max_prompt_tokens, self.model.max_positions)
-            full = FullGraphRunner(breakable, cfg.cuda_graph_full_max_tokens,
-                                   cfg.cuda_graph_full_max_seqs,
-                                   pages_for(context, cfg.page_size))
-        graphs = Graphs(breakable, full)
-        return graphs, [r for r in (full, breakable, eager) if r is not None]
+        loaded = prepared(loaded or load(cfg.model_path, cfg.model_preset, self.device,
+                                         self.dtype), cfg, self.placement)
+        self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
+        self.model_path, self.precision = str(loaded.path), self.model.scheme.label
+
+    def _build_runners(self) -> None:
+        """The forward stream and this placement's runners, graphs not yet captured."""
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.synchronous = not cuda  # on the CPU a launch runs the whole forward
+        self.graphs, self.runners = self.placement.runners(self.model, self.cfg, self.stream)
+        self.forward_counts = {"graph": 0, "eager": 0}
+        self.runs = {r.name: 0 for r in self.runners}
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _eager_peak(self) -> tuple[KVPool, int]:
+        """A scratch KV pool for capture and the activation peak of the largest eager batch."""
+        return eager_peak(self.model, self.runners[-1], self.stream, self.cfg.page_size,
+                          self.cfg.max_prefill_tokens)
+
+    def _size_kv(self, reader: MemoryReader, free: tuple[int, int], peak: int, capture_s: float
+                 ) -> MemoryReport:
+        """The KV budget from free memory before loading, before and after capture."""
+        cfg = self.cfg
+        settle(self.device)
+        return size_kv(self.model_cfg, self.dtype, self.device, self.graphs, (*free, reader()),
+                       self.weights_bytes, peak, capture_s, cfg.mem_fraction_static,
+                       cfg.page_size, cfg.max_prefill_tokens)
+
+    def _size_cpu_kv(self) -> MemoryReport:
+        """Without a memory reader: KV_CACHE_BYTES, else two prompts of the longest length."""
+        cfg = self.cfg
+        tokens = cpu_kv_tokens(self.model_cfg, self.dtype.itemsize, cfg.page_size,
+                               min(cfg.max_prompt_tokens, self.model.max_positions),
+                               cfg.kv_cache_bytes)
+        return cpu_report(self.weights_bytes, cfg.mem_fraction_static, tokens)
+
+    def _allocate_kv(self, report: MemoryReport) -> None:
+        """The KV pool at its final address, and the memory report with its real size."""
+        self.pool = KVPool(self.model_cfg, report.kv_tokens, self.cfg.page_size, self.dtype,
+                           self.device)
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)  # the pool's zero-fill, before the stream uses it
+        self.memory = dataclasses.replace(report, kv_bytes=self.pool.nbytes,
+                                          kv_tokens=self.pool.capacity_tokens)
 
     def _log_ready(self) -> None:
         m = self.memory
@@ -183,7 +185,7 @@ class EngineCore:
     def warm_up(self) -> None:
         """Compile the kernel variants capture does not reach, so no request waits for the JIT."""
         graphs = self.graphs
-        if graphs is None or not graphs.buckets or isinstance(self.runners[0], DPRunner):
+        if graphs is None or not graphs.buckets or not self.placement.warms_up:
             return
         counts, runs = dict(self.forward_counts), dict(self.runs)
         t0 = time.perf_counter()
@@ -239,7 +241,12 @@ class EngineCore:
         if asking := [i for i, c in enumerate(chunks) if c.named]:
             rows = [batch.logits_rows[i][1] - 1 for i in asking]
             named = asking, HostCopy(named_rows(logits, rows, [chunks[i].named for i in asking]))
-        return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0, named)
+        hidden = None
+        if asking := [i for i, c in enumerate(chunks) if c.hidden]:
+            rows = torch.tensor([batch.logits_rows[i][1] - 1 for i in asking])
+            hidden = asking, HostCopy(batch.hidden.index_select(0, to_device(rows, self.device)))
+        return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0, named,
+                        hidden)
 
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
         return self.launch(chunks).wait()

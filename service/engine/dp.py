@@ -1,6 +1,4 @@
-"""Data-parallel attention with a gathered, tensor-parallel MLP (SGLang's DP attention).
-
-Every rank runs `DPRunner` in lockstep, even with an empty batch."""
+"""SGLang's DP attention: data-parallel attention, a gathered tensor-parallel MLP, in lockstep."""
 
 from __future__ import annotations
 
@@ -10,14 +8,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from service.config import EngineConfig
 from service.engine.batch import PrefillBatch, build_batch
-from service.engine.buckets import Buckets
-from service.engine.buffers import StaticBuffers
-from service.engine.graph import SegmentBackend, tensor_bytes
-from service.engine.runners import Chunks, on_stream
+from service.engine.placement import OneDevice, Placement, RunnerSet, graph_sizes
+from service.engine.runners import Chunks, on_stream, picked_rows, with_hidden
 from service.engine.runners.breakable import BreakableRunner
+from service.engine.runners.buckets import Buckets
+from service.engine.runners.buffers import StaticBuffers
+from service.engine.runners.capture import Graphs
+from service.engine.runners.graph import CudaGraphBackend, SegmentBackend, tensor_bytes
 from service.model.decoder import Activations, DecoderModel
+from service.model.errors import ModelLoadError
 from service.model.layers import MLP, gated_mlp
+from service.model.loader import LoadedModel
 from service.model.meta import KVCache
 from service.model.quant.plain import Linear
 
@@ -101,16 +104,16 @@ class DPCaptureInputs:
 @dataclass(frozen=True)
 class DPTokens:
     group: DPGroup
-    rows: int  # rows each rank contributes to the gather (bucket, or the largest count)
+    rows: int  # each rank's rows in the gather
     inputs: DPCaptureInputs
     gathered: torch.Tensor | None = None  # (world·rows, D) static slice; None: allocate
-    partial: torch.Tensor | None = None  # (world·rows, D) static slice; None: allocate
+    partial: torch.Tensor | None = None
 
 
 def mask_padding(rows: torch.Tensor, dp: DPTokens) -> None:
     w, n = dp.group.world, dp.rows
     idx = torch.arange(w * n, device=rows.device, dtype=torch.int32).view(w, n)  # (w, n)
-    local = idx - idx[:, :1]  # row index within its rank's block
+    local = idx - idx[:, :1]
     valid = (local < dp.inputs.global_num_tokens[:, None]) & (idx < dp.inputs.gather_len)
     rows.view(w, n, -1).masked_fill_(~valid[:, :, None], 0)
 
@@ -181,7 +184,7 @@ class DPRunner(BreakableRunner):
 
     def allocate(self) -> StaticBuffers:
         w, m = self.group.world, self.buckets.largest
-        width = self.model.mlp_width // w  # each rank's shard of gate|up
+        width = self.model.mlp_width // w
         if w > 1:
             self.gathered = torch.zeros(w * m, self.cfg.hidden_size, dtype=self.dtype,
                                         device=self.device)
@@ -210,16 +213,18 @@ class DPRunner(BreakableRunner):
         rows = self.buckets.pad_to_bucket(n) if graph else n
         with on_stream(self.stream):
             batch = build_batch(chunks, kv, self.device, pad_to=rows)
+            picked = picked_rows(self.model, batch, chunks)
             if graph:
                 inputs = self.backend.retained(rows)
                 inputs.fill(counts, rows)
                 self.step.tokens = self._tokens(rows, inputs)
-                return self.forward(batch), batch, "graph"
+                return self.forward(batch, picked), with_hidden(batch, picked), "graph"
             self.step.tokens = self._tokens(rows, DPCaptureInputs.new(counts, rows, self.device))
             if n == 0:
                 return (torch.empty(0, self.cfg.vocab_size, device=self.device), batch,
                         "eager")
-            return self.model(batch.input_ids, batch.positions, batch.meta), batch, "eager"
+            logits = self.model(batch.input_ids, batch.positions, batch.meta, picked)
+            return logits, with_hidden(batch, picked), "eager"
 
     def _attend(self, batch: PrefillBatch, v: Activations):  # noqa: ANN202
         if batch.num_tokens == 0:  # a rank with no requests: padding rows only, no attention
@@ -229,3 +234,28 @@ class DPRunner(BreakableRunner):
     @property
     def retained_input_bytes(self) -> int:
         return self.backend.retained_bytes()
+
+
+class DataParallel:
+    """EngineCore's placement on a DP rank: one DPRunner, plain projections, norms unfolded."""
+
+    warms_up = False  # a warm-up forward would need every rank
+
+    def __init__(self, group: DPGroup):
+        self.group = group
+
+    def prepare(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
+        if loaded.model.quantized:
+            raise ModelLoadError(f"{loaded.path}: {loaded.model.scheme.label} projections are not "
+                                 "sharded across data-parallel ranks")
+
+    def runners(self, model: DecoderModel, cfg: EngineConfig,
+                stream: torch.cuda.Stream | None) -> RunnerSet:
+        sizes = graph_sizes(cfg, stream)
+        backend = CudaGraphBackend(stream) if sizes else None
+        dp = DPRunner(model, Buckets(sizes), backend, self.group, stream)
+        return (Graphs(dp) if sizes else None), [dp]
+
+
+def placement(group: DPGroup | None) -> Placement:
+    return OneDevice() if group is None else DataParallel(group)

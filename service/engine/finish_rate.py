@@ -10,11 +10,10 @@ WINDOW_S = 30.0  # prompts finished this recently set the rate
 
 class FinishRate:
     def __init__(self) -> None:
-        self._done: deque[float] = deque(maxlen=256)  # finish times of the latest prompts
+        self._done: deque[float] = deque(maxlen=256)
         self._rate = 0.0
 
     def add(self, now: float, prompts: int) -> None:
-        """`prompts` finished at `now`; the rate is kept here, so reading it is O(1)."""
         done = self._done
         done.extend([now] * prompts)
         while done and now - done[0] > WINDOW_S:

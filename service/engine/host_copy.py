@@ -30,8 +30,7 @@ class HostCopy:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`, queued on the current stream. NOTE: a plain copy from
-    pageable memory synchronizes the stream, which would wait for the forward in flight."""
+    """A small host tensor on `device`, pinned first: a pageable copy would sync the stream."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

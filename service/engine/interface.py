@@ -37,39 +37,45 @@ class KVPoolExhausted(Exception):
 
 
 class InvalidRequest(Exception):
-    """The engine refused a request it cannot run as sent (token ids outside the vocabulary,
-    an empty prompt, parameters out of range): a worker's check missed it."""
+    """The engine refused a request it cannot run as sent: a worker's check missed it."""
 
 
 class RequestDropped(Exception):
-    """The engine dropped a request before answering it (a cancel not from its client, or the
-    engine no longer holds it)."""
+    """The engine dropped a request before answering it."""
 
 
 class EngineTimeout(Exception):
     """The engine did not answer a request within REQUEST_TIMEOUT_S."""
 
 
+
+def admission_error(state: str, error: str | None, queued: int, prompts: int, max_queue: int,
+                    retry_after_s: int) -> Exception | None:
+    """Why `prompts` more prompts cannot join `queued` ones now, or None."""
+    if state != "ready":
+        return NotReady(f"engine is {state}{f': {error}' if error else ''}")
+    if queued + prompts > max_queue:
+        return QueueFull(f"{queued} prompts queued, limit {max_queue}", retry_after_s)
+    return None
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k filter
+    top_k: int = 0
     seed: int | None = None
     top_logprobs: int = 0  # alternatives reported for the next token (and prompt positions)
-    prompt_logprobs: bool = False  # logprob of every prompt token given its prefix
-    logprob_token_ids: tuple[int, ...] = ()  # tokens whose logprobs are reported, whatever rank
-    # What shapes the first token's distribution before it is drawn, with vLLM's meaning. The
-    # logprobs reported stay those of the raw logits (vLLM's default).
-    min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability
+    prompt_logprobs: bool = False
+    logprob_token_ids: tuple[int, ...] = ()  # reported whatever their rank
+    # vLLM's meaning below; the logprobs reported stay those of the raw logits
+    min_p: float = 0.0
     repetition_penalty: float = 1.0  # on the prompt's tokens: logit / p if > 0, else logit × p
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these may come first
     banned_token_ids: tuple[int, ...] = ()  # never first (min_tokens: the stop tokens)
 
     def __post_init__(self) -> None:
-        # NOTE: ValueError, not assert: these also check what the engine decodes off its socket
-        # (msgspec reports a ValueError from here as a validation error of the message)
+        # NOTE: ValueError, not assert: msgspec reports it as the decoded message's invalid field
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], "
                              f"got {self.temperature}")
@@ -120,7 +126,7 @@ class PositionLogprobs(NamedTuple):
 class PromptResult(NamedTuple):
     prompt_tokens: int
     cached_tokens: int
-    next: PositionLogprobs  # the first generated token
+    next: PositionLogprobs
     prompt_logprobs: list[PositionLogprobs] | None  # positions 1..n-1 (position 0 has none)
     queue_s: float
     prefill_s: float
@@ -142,8 +148,8 @@ class MemoryReport:
     free_after_capture_bytes: int = 0
     static_buffer_bytes: int = 0  # the runner's shared max-size buffers (part of capture)
     graphs: int = 0
-    path: str = "cpu"  # "cuda-graphs" | "cuda-eager" | "cpu"
-    full_buckets: tuple[int, ...] = field(default_factory=tuple)  # buckets with a full graph
+    path: str = "cpu"
+    full_buckets: tuple[int, ...] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ class EngineInfo:
     model_path: str
     architecture: str
     vocab_size: int
-    context_length: int  # the model's positions
+    context_length: int
     page_size: int
     kv_capacity_tokens: int
     memory: MemoryReport
@@ -164,9 +170,12 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class EngineStats:
-    queue_requests: int = 0  # prompts waiting for admission
-    running_requests: int = 0  # prompts admitted and not finished
+    queue_requests: int = 0
+    running_requests: int = 0
     kv_used_tokens: int = 0  # whole pages held by in-flight prompts
     kv_cached_tokens: int = 0  # published prefix-cache pages, in use or evictable
-    forwards: dict[str, int] = field(default_factory=dict)  # by mode: graph, eager
-    runner_forwards: dict[str, int] = field(default_factory=dict)  # by runner: full, ...
+    forwards: dict[str, int] = field(default_factory=dict)
+    runner_forwards: dict[str, int] = field(default_factory=dict)
+    kv_leased_pages: int = 0  # pages kept past their prompts' answers (finish.py)
+    kv_leased_tokens: int = 0
+    leases_expired: int = 0

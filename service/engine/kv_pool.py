@@ -19,7 +19,7 @@ class PageAllocator:
     def __init__(self, num_pages: int):
         assert num_pages >= 2, f"a KV pool needs at least 2 pages (1 dummy), got {num_pages}"
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))  # pop() gives low ids first
+        self._free = list(range(num_pages - 1, 0, -1))
         self._used: set[int] = set()
 
     @property
@@ -28,7 +28,6 @@ class PageAllocator:
 
     @property
     def capacity(self) -> int:
-        """Usable pages (the dummy page excluded)."""
         return self.num_pages - 1
 
     def alloc(self, n: int) -> list[int]:
@@ -36,7 +35,7 @@ class PageAllocator:
             raise KVPoolExhausted(f"need {n} KV pages, {len(self._free)} free")
         if n == 0:
             return []
-        pages = self._free[:-n - 1:-1]  # from the end, as pop() would give them
+        pages = self._free[:-n - 1:-1]
         del self._free[-n:]
         self._used.update(pages)
         return pages
@@ -53,7 +52,7 @@ class PageAllocator:
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_tokens: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str):
-        num_pages = pages_for(num_tokens, page_size) + 1  # + the dummy page
+        num_pages = pages_for(num_tokens, page_size) + 1
         slots = num_pages * page_size
         # one allocation, so a page copies across every layer in one launch (copy_pages)
         self.data = torch.zeros((2, cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim),

@@ -1,6 +1,4 @@
-"""Messages between the API workers and the engine process: msgpack-encoded structs over ZeroMQ.
-
-Token ids travel as int32 bytes; nothing a client sent is ever pickled."""
+"""API worker <-> engine messages: msgpack structs over ZeroMQ, token ids as int32, no pickle."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     prompts: list[bytes]  # int32 token ids, one buffer per prompt
     params: SamplingParams
     keys: list[bytes] = []  # per prompt, its prefix-cache page keys joined; [] = none sent
-    # > 0: the prompts' first `shared` tokens are the same, prefilled once and read by each;
-    # prompts after the first then carry only their tokens after those
+    # > 0: the prompts share their first `shared` tokens; later prompts carry only the rest
     shared: int = 0
 
 
@@ -48,9 +45,7 @@ class Cancel(msgspec.Struct, tag=True, array_like=True):
 
 
 class Audit(msgspec.Struct, tag=True, array_like=True):
-    """A worker's requests still unanswered; the engine answers each it does not hold with a
-    `dropped` failure. It travels behind the worker's Submits on one socket, and each answer
-    behind that request's Done, so no answer is mistaken for lost."""
+    """A worker's unanswered requests; each the engine does not hold is answered `dropped`."""
 
     worker: int
     rids: list[int]
@@ -68,13 +63,13 @@ class WorkerGone(msgspec.Struct, tag=True, array_like=True):
 
 
 class Status(msgspec.Struct, tag=True, array_like=True):
-    state: str  # loading | ready | failed | stopped
+    state: str
     error: str | None = None
     info: EngineInfo | None = None
 
 
 class Failure(msgspec.Struct, array_like=True):
-    kind: str  # a key of ERRORS
+    kind: str
     message: str
     retry_after_s: int = 0
 
@@ -123,8 +118,7 @@ def exception(f: Failure) -> Exception:
 
 
 def max_submit_bytes(cfg: EngineConfig) -> int:
-    """The largest Submit the service's own limits allow (every queued prompt in one request,
-    each of the longest length, with its page keys), plus room for the rest of the message."""
+    """The largest Submit the service's own limits allow, plus room for the rest."""
     per_token = 4 + -(-KEY_BYTES // cfg.page_size)
     return cfg.max_queue_requests * (cfg.max_prompt_tokens * per_token + 64) + (1 << 20)
 
@@ -139,13 +133,12 @@ def unpack_ids(buf: bytes) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Addresses:
-    """The engine's ZeroMQ endpoints (IPC sockets) and its queue board, in one private
-    directory."""
+    """The engine's ZeroMQ endpoints and queue board, in one private directory."""
 
     inbox: str  # Submit, Cancel, WorkerGone: PUSHed here, read by the engine thread
     control: str  # Hello, StatsQuery: PUSHed here, answered by the engine's main thread
     outbox: str  # the engine's ROUTER; each worker's DEALER has its id as routing id
-    board: str  # service.engine.board.QueueBoard's file
+    board: str
 
     @classmethod
     def in_dir(cls, directory: str | Path) -> Addresses:

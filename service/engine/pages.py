@@ -40,7 +40,6 @@ def token_slots(page_lists: list[tuple[int, ...]], prefix_lens: np.ndarray, coun
 
 def page_table_array(page_lists: list[tuple[int, ...]],
                      flat: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """(B, max_pages) int32 page table, rows padded with the dummy page."""
     lengths, flat = flat if flat is not None else flatten_pages(page_lists)
     table = np.zeros((len(lengths), int(lengths.max(initial=0)) or 1), np.int32)
     table[np.arange(table.shape[1]) < lengths[:, None]] = flat

@@ -1,7 +1,6 @@
-"""Page-granular prefix cache: full KV pages keyed by a hash chain of their token ids.
+"""Prefix cache: refcounted full KV pages keyed by a hash chain; idle ones LRU-evictable.
 
-Pages are refcounted; cached ones at refcount 0 stay, evictable in LRU order. A private page
-held by more than one prompt (a shared query's) is freed by its last holder. Engine thread only."""
+A private page with several holders is freed by its last. Engine thread only."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from service.engine.kv_pool import KVPoolExhausted, PageAllocator
 class PrefixCache:
     def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
         self.allocator, self.page_size, self.enabled = allocator, page_size, enabled
-        self._page_of: dict[bytes, int] = {}  # key -> page
-        self._key_of: dict[int, bytes] = {}  # cached page -> key
+        self._page_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
         self._refs: dict[int, int] = {}  # cached page -> requests holding it
         self._lru: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached pages, oldest first
         self._extra: dict[int, int] = {}  # private page -> holders beyond its first
@@ -66,7 +65,6 @@ class PrefixCache:
         return self.allocator.alloc(n)
 
     def _evict(self, n: int) -> None:
-        """Free the n least recently used cached pages."""
         lru, page_of, key_of, refs = self._lru, self._page_of, self._key_of, self._refs
         pages = [lru.popitem(last=False)[0] for _ in range(n)]
         for page in pages:

@@ -1,5 +1,4 @@
-"""What the scheduler queues: a Prompt with its completion callback, prompts that share a query's
-KV (`shared_query`), and the observer hooks."""
+"""What the scheduler queues: a Prompt, prompts sharing a query's KV, the observer hook."""
 
 from __future__ import annotations
 
@@ -18,20 +17,18 @@ from service.engine.sampling import LastRow, next_token, prompt_logprobs
 
 log = logging.getLogger(__name__)
 
-# Called once with (result, None) or (None, error), from the engine thread or an abort
+# Called once with (result, None) or (None, error)
 OnDone = Callable[[PromptResult | None, BaseException | None], None]
 
 
 class Observer(Protocol):
-    """The metrics hook of each forward (called from the engine thread). Per-prompt numbers
-    travel in each PromptResult and are recorded where the request is answered."""
+    """The metrics hook of each forward, on the engine thread."""
 
     def on_forward(self, mode: str, seconds: float, tokens: int, requests: int) -> None: ...
 
 
 class Prompt:
-    """One prompt. `cancelled` is written by the submitting thread; the rest by the engine
-    thread."""
+    """One prompt; `cancelled` is written by the submitting thread, the rest by the engine's."""
 
     def __init__(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams,
                  on_done: OnDone, keys: list[bytes] | None = None):
@@ -44,10 +41,11 @@ class Prompt:
         self.admitted_at = 0.0
         self.pages: list[int] = []
         self.done = 0  # prompt tokens in a forward already launched
-        self.cached = 0  # prompt tokens whose KV came from the prefix cache
+        self.cached = 0
         self.keys = keys  # prefix-cache keys of the full pages (None: not computed yet)
         self.prompt_lps: list[PositionLogprobs] = []
         self.cancelled = False
+        self.wants_hidden = False
         # A prompt reading a shared query's KV: the query, and the tokens it shares
         self.base: Prompt | None = None
         self.shared = 0
@@ -63,20 +61,19 @@ class Prompt:
             log.exception("delivering a result failed")
 
     def next_chunk(self, n: int, page_size: int) -> SeqChunk:
-        """The next `n` tokens as a chunk; they count as done from here on."""
         start, end = self.done, self.done + n
         self.done = end
         named = self.params.logprob_token_ids if end == self.num_tokens else ()
         return SeqChunk(self.ids[start:end], start, tuple(self.pages[:pages_for(end, page_size)]),
-                        self.params.prompt_logprobs, named)
+                        self.params.prompt_logprobs, named,
+                        self.wants_hidden and end == self.num_tokens)
 
     def own_pages(self, page_size: int) -> list[int]:
         """The pages this prompt frees: not its shared query's, which the query keeps."""
         return self.pages[self.shared // page_size:] if self.base is not None else self.pages
 
     def item_over(self, release: Callable[[list[int]], None]) -> None:
-        """On a shared query: one of its prompts finished or was dropped; after the last, the
-        query lets its pages go."""
+        """On a shared query: one of its prompts is over; after the last, its pages go."""
         self.items_left -= 1
         if self.items_left == 0 and self.group_pages:
             release(self.group_pages)
@@ -84,7 +81,7 @@ class Prompt:
 
     def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow
                ) -> PromptResult | None:
-        """Absorb chunk `c`'s forward; returns the result once the prompt's last chunk is in."""
+        """Chunk `c`'s forward; the result once the prompt's last chunk is in."""
         end = c.prefix_len + c.num_tokens
         last = end == self.num_tokens
         if self.params.prompt_logprobs:
@@ -104,10 +101,7 @@ class Prompt:
 def shared_query(prompts: Sequence[np.ndarray], shared: int, params: SamplingParams,
                  on_done: Sequence[OnDone], on_query_done: OnDone,
                  query_keys: list[bytes] | None = None) -> list[Prompt]:
-    """[query, *prompts]: the query (the prompts' first `shared` tokens, which they all hold) is
-    prefilled once, and each prompt then reads its KV through its page table. The query's own
-    result means nothing to the client; its failure, `on_query_done(None, error)`, answers for
-    every prompt (which are then dropped)."""
+    """[query, *prompts]: the shared first tokens prefilled once; its failure answers for all."""
     assert len(prompts) and 0 < shared < min(map(len, prompts)), "share a proper prefix"
     query = Prompt(prompts[0][:shared], SamplingParams(), on_query_done, query_keys)
     items = [Prompt(ids, params, cb, []) for ids, cb in zip(prompts, on_done)]

@@ -1,6 +1,4 @@
-"""First-token sampling and logprobs from fp32 logits; no HTTP, no metrics.
-
-Logprobs are those of the raw logits; a seed draws on a per-request CPU generator."""
+"""First-token sampling and raw-logit logprobs from fp32 logits; a seed: a CPU generator."""
 
 from __future__ import annotations
 
@@ -28,14 +26,13 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class LastRow:
-    """A chunk's last row: its greedy token, its top-k logprobs built only when asked for, and
-    the logprobs of the chunk's named tokens when the forward reduced them."""
+    """A chunk's last row: greedy token, top-k logprobs (built when asked), named logprobs."""
 
     __slots__ = ("greedy", "_row", "_k", "named")
 
     def __init__(self, greedy: TokenLogprob, row: list[float], k: int):
         self.greedy, self._row, self._k = greedy, row, k  # row: ids at [2, 2+k), values after
-        self.named: list[float] | None = None  # in SeqChunk.named's order
+        self.named: list[float] | None = None
 
     def top_n(self, n: int) -> list[TokenLogprob]:
         n, r, k = min(n, self._k), self._row, self._k
@@ -77,8 +74,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def shape(logits: torch.Tensor, params: SamplingParams, prompt: np.ndarray) -> torch.Tensor:
-    """(V,) float64 logits as vLLM's sampler sees them before temperature: the repetition
-    penalty on the prompt's tokens, the logit bias, then the allowed/banned masks."""
+    """(V,) float64 logits as vLLM's sampler shapes them before temperature."""
     x = logits.double()
     if params.repetition_penalty != 1.0:
         seen = torch.from_numpy(np.unique(prompt).astype(np.int64))
@@ -98,8 +94,7 @@ def shape(logits: torch.Tensor, params: SamplingParams, prompt: np.ndarray) -> t
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick the next token from (V,) logits: argmax, or a draw after temperature, min-p, top-k
-    and top-p (vLLM's order)."""
+    """Argmax, or a draw after temperature, min-p, top-k and top-p (vLLM's order)."""
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits.double()
@@ -122,11 +117,10 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
 
 def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
                ) -> torch.Tensor:
-    """(len(rows), longest ids) fp32: the logprobs of `ids[i]` under logits row `rows[i]`, one
-    batched reduction on the logits' device (short lists padded with token 0)."""
+    """(len(rows), longest ids) fp32: logprobs of `ids[i]` under row `rows[i]`, one reduction."""
     dev = logits.device
     sel = to_device(torch.tensor(rows, dtype=torch.int64), dev)
-    same = all(t == ids[0] for t in ids)  # one request's prompts: one list for every row
+    same = all(t == ids[0] for t in ids)
     if same:
         idx = to_device(torch.tensor(ids[0], dtype=torch.int64), dev)
     else:
@@ -143,9 +137,7 @@ def named_rows(logits: torch.Tensor, rows: list[int], ids: list[tuple[int, ...]]
 
 def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams,
                prompt: np.ndarray | None = None) -> PositionLogprobs:
-    """The first token from the last (V,) logits `row` of `prompt`; greedy reads only the
-    summary (and the named tokens' logprobs, which the forward reduced: EngineCore.launch).
-    The logprob reported is the raw logits', whatever shaped the choice."""
+    """The first token from `prompt`'s last (V,) logits `row`; greedy reads only the summary."""
     top = last.top_n(params.top_logprobs)
     ids = params.logprob_token_ids
     named = None
@@ -162,8 +154,7 @@ def next_token(row: torch.Tensor, last: LastRow, params: SamplingParams,
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int,
                     named: tuple[int, ...] = ()) -> list[PositionLogprobs]:
-    """Logprob of `targets[i]` under row i of (N, V) logits (row i predicts it), the top-k, and
-    the logprobs of the `named` tokens."""
+    """Logprob of `targets[i]` under row i of (N, V) logits, the top-k and the `named` tokens'."""
     assert logits.shape[0] == len(targets), f"{logits.shape[0]} rows for {len(targets)} targets"
     if not targets:
         return []

@@ -1,9 +1,6 @@
-"""The engine loop: one thread owns the engine, batches queued prompts, reports each result.
+"""The engine loop: one thread owns the engine; others only `submit`/`cancel`/`abort`, locked.
 
-Other threads only call `submit`/`cancel`/`abort`, under the lock. Admission is FIFO with all of
-a prompt's pages. On a GPU, forward n + 1 is launched before forward n is read; the one stream
-orders them, so a page freed or reused meanwhile is written in turn. On the CPU each forward is
-delivered before the next, its chunks sized to about a second (chunk_size.py)."""
+On a GPU forward n + 1 launches before forward n is read; the one stream orders their pages."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ from typing import Any
 
 from service.engine.batching import Batch, form_batch
 from service.engine.chunk_size import ChunkSizer
+from service.engine.finish import FinishHook, Leases, absorb_batch
 from service.engine.finish_rate import FinishRate
 from service.engine.interface import (
     SHUTTING_DOWN,
@@ -25,8 +23,7 @@ from service.engine.interface import (
     ForwardFailed,
     KVPoolExhausted,
     NotReady,
-    PromptResult,
-    QueueFull,
+    admission_error,
 )
 from service.engine.pages import pages_for
 from service.engine.prefix_cache import PrefixCache
@@ -34,7 +31,7 @@ from service.engine.prompt import NullObserver, Observer, Prompt
 
 log = logging.getLogger(__name__)
 
-InFlight = tuple[Batch, Any]  # a batch and its engine's Launched forward
+InFlight = tuple[Batch, Any]
 OnLoaded = Callable[[BaseException | None], None]
 # Called under the lock whenever the queue changes: (prompts waiting, Retry-After seconds)
 OnQueue = Callable[[int, int], None]
@@ -47,16 +44,19 @@ class Scheduler:
     def __init__(self, engine_factory: Callable[[], Any], *, max_queue: int,
                  max_batch_prompts: int, max_logit_rows: int = 2048,
                  prefix_cache: bool = True, observer: Observer | None = None,
-                 on_queue: OnQueue | None = None, poll: Poll | None = None):
+                 on_queue: OnQueue | None = None, poll: Poll | None = None,
+                 finish_hook: FinishHook | None = None):
         """With `poll`, the engine thread takes its own input (no GIL hand-over per message)."""
         self._factory, self._on_queue, self._poll = engine_factory, on_queue, poll
         self.max_queue, self.max_batch_prompts = max_queue, max_batch_prompts
         assert max_logit_rows >= 1, f"max_logit_rows must be >= 1, got {max_logit_rows}"
-        self.max_logit_rows = max_logit_rows  # prompt-logprob rows per forward
+        self.max_logit_rows = max_logit_rows
         self.observer = observer or NullObserver()
         self.launching_since = 0.0  # when the engine thread entered a launch; 0 outside one
         self.prefix_cache_enabled = prefix_cache
         self.cache: PrefixCache | None = None  # built with the engine (it needs the allocator)
+        self.hook = finish_hook
+        self.leases: Leases | None = None
         self._sizer: ChunkSizer | None = None  # where a launch runs a whole forward
         self._cv = threading.Condition()
         self._waiting: deque[Prompt] = deque()
@@ -68,10 +68,9 @@ class Scheduler:
         self.state = "new"  # new -> loading -> ready -> stopped | failed
         self.error: str | None = None
         self._on_loaded: OnLoaded | None = None
-        self.info: EngineInfo | None = None  # set once the engine has loaded
+        self.info: EngineInfo | None = None
         self._finish_rate = FinishRate()
 
-    # ---- callers' side ----------------------------------------------------------------------
     def start(self, on_loaded: OnLoaded | None = None) -> None:
         """Load the engine on the engine thread; `on_loaded(None | error)` runs there once."""
         self._on_loaded = on_loaded
@@ -87,11 +86,12 @@ class Scheduler:
         return len(self._waiting)
 
     def stats(self) -> EngineStats:
-        """Live numbers, from any thread (a forward may be updating them)."""
         eng = self.engine
         counts, runs = (dict(eng.forward_counts), dict(eng.runs)) if eng is not None else ({}, {})
+        leases = self.leases
         return EngineStats(len(self._waiting), len(self._running), self.kv_used_tokens,
-                           self.kv_cached_tokens, counts, runs)
+                           self.kv_cached_tokens, counts, runs,
+                           *((leases.pages, leases.tokens, leases.expired) if leases else ()))
 
     @property
     def kv_used_tokens(self) -> int:
@@ -115,13 +115,10 @@ class Scheduler:
 
     def admission_error(self, prompts: int = 1) -> Exception | None:
         """Why `prompts` more prompts cannot be queued now, or None; lock-free."""
-        if self.state != "ready" or self._stop:
-            why = f": {self.error}" if self.error else ""
-            return NotReady(f"engine is {self.state}{why}")
-        if len(self._waiting) + prompts > self.max_queue:
-            return QueueFull(f"{len(self._waiting)} prompts queued, limit {self.max_queue}",
-                             self.retry_after_s())
-        return None
+        if self._stop and self.state == "ready":
+            return NotReady(SHUTTING_DOWN)
+        return admission_error(self.state, self.error, len(self._waiting), prompts,
+                               self.max_queue, self.retry_after_s())
 
     def submit(self, reqs: list[Prompt]) -> None:
         """Queue all of `reqs` or none of them; raises NotReady, QueueFull, KVPoolExhausted."""
@@ -137,6 +134,9 @@ class Scheduler:
                     raise KVPoolExhausted(f"a prompt of {r.num_tokens} tokens needs {need} KV "
                                           f"pages; the pool has {alloc.capacity} "
                                           f"({alloc.capacity * ps} tokens)")
+            if self.hook is not None:
+                for r in reqs:
+                    r.wants_hidden = self.hook.wants_hidden(r)
             self._waiting.extend(reqs)
             self._queue_changed()
             self._cv.notify()
@@ -148,12 +148,11 @@ class Scheduler:
             if req in self._waiting:
                 self._waiting.remove(req)
                 if req.base is not None:
-                    self._dropped.append(req)  # its query's pages: on the engine thread
+                    self._dropped.append(req)
                 self._queue_changed()
             self._cv.notify()
 
     def abort(self, exc: BaseException) -> int:
-        """Fail every queued and running prompt with `exc` now; returns how many."""
         with self._cv:
             pending = list(self._waiting) + [r for r in self._running if not r.cancelled]
             self._waiting.clear()
@@ -176,11 +175,14 @@ class Scheduler:
             if self.state in ("loading", "ready"):
                 self.state = "stopped"
 
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
     def _queue_changed(self) -> None:
         if self._on_queue is not None:
             self._on_queue(len(self._waiting), self.retry_after_s())
 
-    # ---- engine-thread side -----------------------------------------------------------------
     def _main(self) -> None:
         t0 = time.perf_counter()
         try:
@@ -194,6 +196,7 @@ class Scheduler:
             self.info = dataclasses.replace(engine.info(), load_seconds=time.perf_counter() - t0)
             self.cache = PrefixCache(engine.pool.allocator, engine.pool.page_size,
                                      self.prefix_cache_enabled)
+            self.leases = Leases(self.cache.hold, self.cache.release, self._wake)
             self._sizer = ChunkSizer(engine.model_cfg) if engine.synchronous else None
             if self.state == "loading":
                 self.state = "ready"
@@ -207,6 +210,7 @@ class Scheduler:
             with self._cv:
                 for r in list(self._running):
                     self._release(r)
+                self.leases.drop_all()
                 self.cache.clear()
             try:
                 engine.close()
@@ -214,9 +218,7 @@ class Scheduler:
                 log.exception("engine close failed")
 
     def _loop(self) -> None:
-        """Launch batch n + 1, then finish batch n: the GPU never waits for the host's answers.
-        A synchronous engine has run batch n + 1 by the time its launch returns, so batch n's
-        answers would wait for it: there each batch is finished as soon as it is launched."""
+        """Launch batch n + 1, then finish batch n (a synchronous engine: finish each at once)."""
         pending: InFlight | None = None
         while (batch := self._next_batch(block=pending is None)) is not None:
             launched = self._launch(batch) if batch else None
@@ -246,7 +248,6 @@ class Scheduler:
         self._post_loaded(RuntimeError(msg))
 
     def _release(self, r: Prompt) -> None:
-        """Free a request's pages and drop it from the running set (lock held)."""
         if r.pages:
             self.cache.release(r.own_pages(self.cache.page_size))
             r.pages = []
@@ -268,11 +269,12 @@ class Scheduler:
                 for r in self._dropped:
                     r.base.item_over(self.cache.release)
                 self._dropped.clear()
+                self.leases.reap()
                 batch = self._form_batch()
                 if batch or not block:
                     return batch
                 if self._poll is None:
-                    self._cv.wait()
+                    self._cv.wait(self.leases.wait_s())
                     continue
             self._poll(POLL_IDLE_S)
 
@@ -289,8 +291,7 @@ class Scheduler:
         self.launching_since = time.monotonic()
         try:
             if copies := [r for r, _ in batch if r.copy_tail is not None]:
-                # on this thread's stream: after the forwards launched, before the next (the
-                # runners' stream waits for the caller's)
+                # on this thread's stream: ordered between the forwards launched and the next
                 self.engine.pool.copy_pages(*zip(*(r.copy_tail for r in copies)))
                 for r in copies:
                     r.copy_tail = None
@@ -314,7 +315,7 @@ class Scheduler:
     def _finish(self, batch: Batch, launched: Any) -> None:
         try:
             if self._poll is not None:
-                while not launched.ready():  # take input while the GPU works
+                while not launched.ready():
                     self._poll(0.0)
             out = launched.wait()
         except Exception as e:  # noqa: BLE001
@@ -324,20 +325,7 @@ class Scheduler:
                                  len(batch))
         if self._sizer:
             self._sizer.measured([c for _, c in batch], out.seconds)
-        finished: list[tuple[Prompt, PromptResult | None, BaseException | None]] = []
-        for (r, c), logits, summary in zip(batch, out.logits, out.last):
-            if r.cancelled:
-                finished.append((r, None, None))
-                continue
-            try:
-                self.cache.insert(r.keys or [], r.pages, c.prefix_len + c.num_tokens)
-                res = r.absorb(c, logits, summary)
-            except Exception as e:  # noqa: BLE001 - a sampling bug fails this prompt only
-                log.exception("post-processing failed")
-                finished.append((r, None, ForwardFailed(f"{type(e).__name__}: {e}")))
-                continue
-            if res is not None:
-                finished.append((r, res, None))
+        finished = absorb_batch(batch, out, self.cache, self.hook, self.leases)
         with self._cv:
             for r, res, exc in finished:
                 self._release(r)

@@ -1,6 +1,4 @@
-"""The engine process. Work (Submit, Cancel, WorkerGone) comes on a socket the engine thread reads
-itself, between forwards and while the GPU works; Hello and StatsQuery on a control socket the
-main thread answers. Replies go out through a ROUTER socket addressed by worker."""
+"""The engine process: the engine thread reads work itself; the main thread answers control."""
 
 from __future__ import annotations
 
@@ -33,13 +31,12 @@ log = logging.getLogger(__name__)
 
 HELP_S = 0.005  # a launch this long has the main thread read the work socket meanwhile
 STOP_WAIT_S = 1.0
-CONTROL_MESSAGE_BYTES = 64 << 10  # Hello and StatsQuery are a few bytes
-BAD_MESSAGE_LOG_S = 10.0  # bad messages: one log line at most this often, with a count
+CONTROL_MESSAGE_BYTES = 64 << 10
+BAD_MESSAGE_LOG_S = 10.0
 
 
 class Throttled:
-    """One warning line per `every_s` at most, counting what it did not print: a flood of bad
-    messages must not become a flood of log lines."""
+    """One warning line per `every_s` at most, counting what it did not print."""
 
     def __init__(self, every_s: float):
         self.every_s, self.next_at, self.skipped = every_s, 0.0, 0
@@ -56,8 +53,6 @@ class Throttled:
 
 
 class Outbox:
-    """The ROUTER socket, shared by the main thread and the engine thread."""
-
     def __init__(self, sock: zmq.Socket):
         self._sock, self._lock = sock, threading.Lock()
 
@@ -82,8 +77,7 @@ class Request:
         self.left = n
 
     def done(self, i: int, result: PromptResult | None, exc: BaseException | None) -> None:
-        """Prompt i's OnDone (bound with functools.partial); i < 0: a shared query's, which
-        reports only a failure."""
+        """Prompt i's OnDone; i < 0: a shared query's, which reports only a failure."""
         if i < 0 and exc is None:
             return
         if exc is not None:
@@ -119,7 +113,7 @@ class EngineServer:
     def finish(self, req: Request, results: list[PromptResult | None] | None,
                exc: BaseException | None) -> None:
         if self.requests.pop(req.key, None) is None:
-            return  # cancelled, or already failed by another of its prompts
+            return
         if exc is not None:
             for p in req.prompts:
                 if not p.cancelled:
@@ -131,8 +125,7 @@ class EngineServer:
         self.outbox.send(key[0], m.Done(key[1], results, m.failure(exc) if exc else None))
 
     def handle(self, msg: m.ToEngine) -> None:
-        """Act on one message; a bad one is dropped with a log line and, where it names a
-        request, an answer to it. Nothing a message holds stops the engine."""
+        """Act on one message; a bad one is logged and, where it names a request, answered."""
         try:
             self._handle(msg)
         except InvalidRequest as e:
@@ -198,9 +191,7 @@ class EngineServer:
             self._reply(key, None, e)
 
     def cancel(self, key: tuple[int, int], why: BaseException) -> bool:
-        """Drop a request, if held, and answer it `why`: its worker has let it go already (the
-        answer is then ignored), or the cancel was not its worker's and the client still
-        waits."""
+        """Drop a request, if held, and answer it `why` (a client may still wait)."""
         req = self.requests.pop(key, None)
         if req is None:
             return False
@@ -210,7 +201,6 @@ class EngineServer:
         return True
 
     def receive(self, sock: zmq.Socket, timeout_s: float) -> None:
-        """Handle every message waiting, after waiting up to `timeout_s` for the first."""
         if not sock.poll(int(timeout_s * 1000)):
             return
         while True:
@@ -231,8 +221,7 @@ class EngineServer:
             self.receive(inbox, timeout_s)
 
     def serve(self, control: zmq.Socket, inbox: zmq.Socket, stop: threading.Event) -> None:
-        """The main thread until `stop`; it reads the work socket too while a launch (a whole
-        forward, on a CPU) holds the engine thread."""
+        """The main thread until `stop`; it reads work too while a launch holds the engine."""
         while not stop.is_set():
             self.receive(control, HELP_S)
             since = self.scheduler.launching_since
@@ -245,8 +234,7 @@ class EngineServer:
 
 def bind(ctx: zmq.Context, addrs: m.Addresses, max_message_bytes: int = 64 << 20
          ) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
-    """(inbox, control, router). A peer that sends a message over the cap is disconnected by
-    ZeroMQ before the message is read (its worker reconnects; what it loses, Audit finds)."""
+    """(inbox, control, router); ZeroMQ disconnects a peer whose message is over the cap."""
     pulls = []
     for addr, cap in ((addrs.inbox, max_message_bytes), (addrs.control, CONTROL_MESSAGE_BYTES)):
         sock = ctx.socket(zmq.PULL)
@@ -272,7 +260,7 @@ def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     metrics = Metrics(server_cfg.served_model_name)
-    board = QueueBoard(addrs.board)  # created by the supervisor
+    board = QueueBoard(addrs.board)
     ctx = zmq.Context()
     inbox, control, router = bind(ctx, addrs, m.max_submit_bytes(engine_cfg))
     scheduler = Scheduler(lambda: EngineCore(engine_cfg),

@@ -276,19 +276,22 @@ class DecoderModel(nn.Module):
         else:
             self.norm(h, a.residual)
 
-    def logits(self, h_normed: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        return self.head_at(h_normed, meta.logits_indices).float()
+    def logits(self, h_normed: torch.Tensor, meta: ForwardMeta,
+               picked: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head_at(h_normed, meta.logits_indices, picked).float()
 
-    def head_at(self, h_normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        picked = h_normed.index_select(0, rows)  # (N, hidden)
+    def head_at(self, h_normed: torch.Tensor, rows: torch.Tensor,
+                picked: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head of `rows`; `picked` (N, hidden), if given, keeps the normed rows it reads."""
+        picked = torch.index_select(h_normed, 0, rows, out=picked)  # (N, hidden)
         logits = torch.nn.functional.linear(picked, self.head_weight)
         cap = self.cfg.final_logit_softcap
         if cap is None:
             return logits
         return torch.tanh(logits.float() / cap).mul_(cap)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: ForwardMeta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
+                picked: torch.Tensor | None = None) -> torch.Tensor:
         acts = Activations.empty(self.cfg, input_ids, positions, self.dtype)
         self.run(acts, Eager(lambda i: self.attn(i, acts.qkv, meta, out=acts.attn)))
-        return self.logits(acts.hidden, meta)
+        return self.logits(acts.hidden, meta, picked)

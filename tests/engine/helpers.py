@@ -69,11 +69,11 @@ class Runners:
     def __init__(self, model, buckets, full_max: int = 0, seqs: int = 3, pages: int = 40,
                  staging: bool = False, page: int = PAGE):
         from service.engine.batch import BatchStaging
-        from service.engine.buckets import Buckets
-        from service.engine.graph import CudaGraphBackend, SegmentBackend
         from service.engine.runners.breakable import BreakableRunner
+        from service.engine.runners.buckets import Buckets
         from service.engine.runners.eager import EagerRunner
         from service.engine.runners.full import FullGraphRunner
+        from service.engine.runners.graph import CudaGraphBackend, SegmentBackend
 
         self.model, self.cfg = model, model.cfg
         device = model.embed_tokens.weight.device

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine.buckets import Buckets, default_ladder, resolve_buckets
+from service.engine.runners.buckets import Buckets, default_ladder, resolve_buckets
 
 
 def test_default_ladder_to_8192_matches_sglang_steps():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine import buffers
-from service.engine.buffers import MLP_MIN_ROWS, StaticBuffers, mlp_chunk_rows
+from service.engine.runners import buffers
+from service.engine.runners.buffers import MLP_MIN_ROWS, StaticBuffers, mlp_chunk_rows
 from service.model.families import preset
 from tests.engine.helpers import tiny_cfg
 

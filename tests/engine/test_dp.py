@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from service.engine.buckets import Buckets
 from service.engine.dp import DPMLP, DPGroup, DPRunner, DPStep
-from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
+from service.engine.runners.buckets import Buckets
 from service.engine.runners.eager import EagerRunner
+from service.engine.runners.graph import SegmentBackend
 from tests.engine.helpers import PAGE, chunk, free_port, prompts, tiny_model
 
 ATOL = 1e-4

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.full_buffers import FullBuffers
 from service.engine.kv_pool import KVPool
 from service.engine.pages import DUMMY_SLOT
+from service.engine.runners.full_buffers import FullBuffers
 from service.engine.sampling import last_rows, unpack
 from tests.engine.helpers import PAGE, Runners, chunk, prompts, tiny_cfg, tiny_model
 
@@ -156,10 +156,10 @@ def test_the_pool_is_bound_at_replay(runner):
 
 
 def test_scratch_pool_is_freeable_after_capture():
-    from service.engine.buckets import Buckets
-    from service.engine.graph import SegmentBackend
     from service.engine.runners.breakable import BreakableRunner
+    from service.engine.runners.buckets import Buckets
     from service.engine.runners.full import FullGraphRunner
+    from service.engine.runners.graph import SegmentBackend
 
     model = tiny_model(seed=3)
     breakable = BreakableRunner(model, Buckets((4, 8)), SegmentBackend())

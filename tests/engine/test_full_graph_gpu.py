@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.buckets import default_ladder
 from service.engine.kv_pool import KVPool
 from service.engine.runners import on_stream
+from service.engine.runners.buckets import default_ladder
 from service.engine.runners.full import BLAS, blas_library
 from service.engine.sampling import unpack
 from service.model.families import preset

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.buckets import Buckets
-from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
 from service.engine.runners.breakable import BreakableRunner
+from service.engine.runners.buckets import Buckets
+from service.engine.runners.graph import SegmentBackend
 from tests.engine.helpers import PAGE, chunk, prompts, tiny_model
 
 

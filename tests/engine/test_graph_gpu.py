@@ -17,12 +17,12 @@ import torch
 import torch.multiprocessing as mp
 
 from service.engine.batch import BatchStaging, build_batch
-from service.engine.buckets import Buckets, default_ladder
 from service.engine.dp import DPGroup, DPRunner
-from service.engine.graph import CudaGraphBackend
 from service.engine.kv_pool import KVPool
 from service.engine.runners import on_stream
 from service.engine.runners.breakable import BreakableRunner
+from service.engine.runners.buckets import Buckets, default_ladder
+from service.engine.runners.graph import CudaGraphBackend
 from service.model.families import preset
 from service.model.loader import random_model
 from tests.engine.helpers import chunk, engine_cfg, free_port, prompts

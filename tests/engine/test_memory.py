@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.capture import capture_and_size
 from service.engine.core import EngineCore
 from service.engine.kv_pool import KVPool
-from service.engine.memory import InsufficientMemory, plan_kv, smallest_workable_fraction
+from service.engine.memory import (
+    InsufficientMemory,
+    plan_kv,
+    size_kv,
+    smallest_workable_fraction,
+)
 from service.engine.pages import pages_for
+from service.engine.runners.capture import capture, eager_peak
 from service.engine.runners.eager import EagerRunner
 from tests.engine.helpers import PAGE, engine_cfg, tiny_cfg, tiny_loaded, tiny_model
 
@@ -59,10 +64,15 @@ def test_smallest_workable_fraction_is_the_threshold():
 
 
 def size(reader, free_before, weights, fraction, runner=None):
-    """capture_and_size on the CPU (no graphs), one 64-token batch of eager peak."""
+    """The start-up steps on the CPU (no graphs), one 64-token batch of eager peak."""
     model = tiny_model()
-    return capture_and_size(model, None, runner or EagerRunner(model), None, reader,
-                            free_before, weights, fraction, PAGE, 64)
+    scratch, peak = eager_peak(model, runner or EagerRunner(model), None, PAGE, 64)
+    free_pre, secs = capture(None, scratch.cache, reader)
+    del scratch
+    report = size_kv(model.cfg, model.dtype, model.device, None, (free_before, free_pre, reader()),
+                     weights, peak, secs, fraction, PAGE, 64)
+    return report, plan_kv(free_before, report.free_after_capture_bytes, fraction, model.cfg,
+                           model.dtype.itemsize, PAGE, 1)
 
 
 def test_refuses_to_start_naming_every_term_and_the_smallest_fraction():
@@ -86,7 +96,7 @@ def test_no_fraction_fits_says_what_to_change():
 
 
 def test_warns_when_the_eager_peak_does_not_fit_the_reserve(caplog, monkeypatch):
-    from service.engine import capture
+    from service.engine.runners import capture
 
     monkeypatch.setattr(capture, "eager_peak_bytes", lambda device, run: 20 * GIB)
     with caplog.at_level("WARNING"):

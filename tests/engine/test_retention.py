@@ -9,11 +9,11 @@ import weakref
 
 import torch
 
-from service.engine.buckets import Buckets
 from service.engine.dp import DPCaptureInputs, DPGroup, DPRunner
-from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
 from service.engine.runners.breakable import BreakableRunner
+from service.engine.runners.buckets import Buckets
+from service.engine.runners.graph import SegmentBackend
 from tests.engine.helpers import PAGE, tiny_model
 
 

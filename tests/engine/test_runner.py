@@ -94,7 +94,7 @@ def test_padding_never_reaches_outputs_or_kv(setup):
 def test_mlp_in_row_chunks_matches_eager(monkeypatch):
     """2F (320) much wider than the attention buffers (96): the arena holds 16 MLP rows, so
     buckets 24, 40 and 64 run the MLP in 2, 3 and 4 chunks, written over their own input rows."""
-    from service.engine import buffers
+    from service.engine.runners import buffers
 
     monkeypatch.setattr(buffers, "MLP_MIN_ROWS", 16)  # tiny model: chunks of 16 rows
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.buckets import Buckets
 from service.engine.dp import DPGroup, DPRunner
-from service.engine.graph import SegmentBackend
 from service.engine.kv_pool import KVPool
+from service.engine.runners.buckets import Buckets
+from service.engine.runners.graph import SegmentBackend
 from service.model.loader import random_model
 from tests.engine.helpers import Runners, chunk, prompts, tiny_cfg
 

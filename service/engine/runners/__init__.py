@@ -1,27 +1,41 @@
-"""The ways a batch can run, behind one small interface, and the helpers they share.
-
-The first runner whose `can_run` accepts a batch runs it: `run() -> (logits, batch, mode)`."""
+"""The ways a batch can run (`run() -> (logits, batch, mode)`) and the helpers they share."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from service.engine.batch import PrefillBatch, SeqChunk
-from service.model.meta import KVCache
+if TYPE_CHECKING:  # service.engine.batch imports this package's packing
+    from service.engine.batch import PrefillBatch, SeqChunk
+    from service.model.decoder import DecoderModel
+    from service.model.meta import KVCache
 
-Chunks = Sequence[SeqChunk]
+Chunks = Sequence["SeqChunk"]
 
 
 class Runner(Protocol):
-    name: str  # "full" | "breakable" | "eager" | "dp"
+    name: str
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool: ...
     def run(self, chunks: Chunks, kv: KVCache) -> tuple[torch.Tensor, PrefillBatch, str]: ...
+
+
+def picked_rows(model: DecoderModel, batch: PrefillBatch, chunks: Chunks
+                ) -> torch.Tensor | None:
+    """Where the LM head keeps the normed rows it reads, when a chunk asks for its hidden row."""
+    if not any(c.hidden for c in chunks):
+        return None
+    return torch.empty(batch.meta.logits_indices.shape[0], model.cfg.hidden_size,
+                       dtype=model.dtype, device=model.device)
+
+
+def with_hidden(batch: PrefillBatch, picked: torch.Tensor | None) -> PrefillBatch:
+    return batch if picked is None else dataclasses.replace(batch, hidden=picked)
 
 
 @contextmanager

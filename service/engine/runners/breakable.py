@@ -8,11 +8,11 @@ from collections.abc import Callable
 import torch
 
 from service.engine.batch import BatchStaging, PrefillBatch, build_batch
-from service.engine.buckets import Buckets
-from service.engine.buffers import StaticBuffers
-from service.engine.full_buffers import capture_chunks
-from service.engine.graph import SegmentBackend
-from service.engine.runners import Chunks, gc_paused, on_stream
+from service.engine.runners import Chunks, gc_paused, on_stream, picked_rows, with_hidden
+from service.engine.runners.buckets import Buckets
+from service.engine.runners.buffers import StaticBuffers
+from service.engine.runners.full_buffers import capture_chunks
+from service.engine.runners.graph import SegmentBackend
 from service.model.attention import BreakPlan
 from service.model.decoder import Activations, DecoderModel
 from service.model.meta import KVCache
@@ -84,15 +84,16 @@ class BreakableRunner:
         with on_stream(self.stream):
             batch = build_batch(chunks, kv, self.device, staging=self.staging,
                                 pad_to=self.buckets.pad_to_bucket(tokens))
-            return self.forward(batch), batch, "graph"
+            picked = picked_rows(self.model, batch, chunks)
+            return self.forward(batch, picked), with_hidden(batch, picked), "graph"
 
-    def forward(self, batch: PrefillBatch) -> torch.Tensor:
+    def forward(self, batch: PrefillBatch, picked: torch.Tensor | None = None) -> torch.Tensor:
         n = batch.padded_tokens
         v = self.bufs.views(n)
         v.input_ids.copy_(batch.input_ids)
         v.positions.copy_(batch.positions)
         self.backend.replay(n, self._attend(batch, v))
-        return self.model.logits(v.hidden, batch.meta)
+        return self.model.logits(v.hidden, batch.meta, picked)
 
     def _attend(self, batch: PrefillBatch, v: Activations) -> Callable[[int], None]:
         """NOTE: bound at the first layer, so the GPU starts the first dense step meanwhile."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from service.engine.batch import BatchStaging, PrefillBatch, build_batch
-from service.engine.runners import Chunks, on_stream
+from service.engine.runners import Chunks, on_stream, picked_rows, with_hidden
 from service.model.decoder import DecoderModel
 from service.model.meta import KVCache
 
@@ -26,8 +26,9 @@ class EagerRunner:
         """NOTE: the logits are allocated on the runner's stream (the next forward waits on it)."""
         with on_stream(self.stream):
             batch = build_batch(chunks, kv, self.device, staging=self.staging)
+            picked = picked_rows(self.model, batch, chunks)
             if batch.num_tokens == 0:
                 logits = torch.empty(0, self.model.cfg.vocab_size, device=self.device)
             else:
-                logits = self.model(batch.input_ids, batch.positions, batch.meta)
-        return logits, batch, "eager"
+                logits = self.model(batch.input_ids, batch.positions, batch.meta, picked)
+        return logits, with_hidden(batch, picked), "eager"

@@ -1,6 +1,4 @@
-"""Full CUDA graphs for small batches: the whole forward, attention included, in one launch.
-
-Small batches are bound by host launches; GEMMs are captured with cuBLASLt (fewer kernels)."""
+"""Full CUDA graphs for launch-bound small batches: the whole forward in one launch (cuBLASLt)."""
 
 from __future__ import annotations
 
@@ -11,9 +9,9 @@ from contextlib import contextmanager
 import torch
 
 from service.engine.batch import PrefillBatch
-from service.engine.full_buffers import FullBuffers, capture_chunks
-from service.engine.runners import Chunks, gc_paused, on_stream
+from service.engine.runners import Chunks, gc_paused, on_stream, with_hidden
 from service.engine.runners.breakable import BreakableRunner
+from service.engine.runners.full_buffers import FullBuffers, capture_chunks
 from service.engine.sampling import summarize
 from service.model.decoder import Eager
 from service.model.meta import KVAddresses, KVCache
@@ -45,6 +43,7 @@ class FullGraphRunner:
         self.sizes = tuple(n for n in graphs.buckets if n <= max_tokens)
         self.max_seqs, self.max_pages = max_seqs, max_pages
         self.bufs: FullBuffers | None = None
+        self.hidden: torch.Tensor | None = None  # (max_seqs, hidden): the head's normed rows
         self.kv_addrs: KVAddresses | None = None
 
     @torch.inference_mode()
@@ -57,6 +56,8 @@ class FullGraphRunner:
             self.bufs = FullBuffers(max(self.sizes), self.max_seqs, self.max_pages,
                                     kv.page_size, self.model.cfg.vocab_size, device)
             self.kv_addrs = KVAddresses(self.model.cfg.num_layers, device)
+            self.hidden = torch.zeros(self.max_seqs, self.model.cfg.hidden_size,
+                                      dtype=self.model.dtype, device=device)
         self.kv_addrs.bind(kv)
         try:
             with on_stream(self.graphs.stream), gc_paused(), blas_library(BLAS, device):
@@ -77,7 +78,7 @@ class FullGraphRunner:
 
         def forward() -> None:
             self.model.run(acts, Eager(attend))
-            summarize(self.model.head_at(acts.hidden, fv.head_rows), out=out.summary,
+            summarize(self.model.head_at(acts.hidden, fv.head_rows, self.hidden), out=out.summary,
                       logits_out=out.logits)
 
         self.backend.capture_whole(("full", n), forward)
@@ -90,7 +91,8 @@ class FullGraphRunner:
     def static_bytes(self) -> int:
         if self.bufs is None:
             return 0
-        return self.bufs.nbytes + self.kv_addrs.table.numel() * 8
+        return (self.bufs.nbytes + self.kv_addrs.table.numel() * 8
+                + self.hidden.numel() * self.hidden.element_size())
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
         if self.bufs is None or not self.graphs.buckets.use_graph(tokens):
@@ -109,7 +111,8 @@ class FullGraphRunner:
         summary = fb.fetch_summary(b)
         logits = fb.logits[:b].clone()  # NOTE: a copy: the next forward overwrites the buffer
         batch = fb.batch(chunks, kv, n, summary)
-        return logits, batch, "graph"
+        asked = any(c.hidden for c in chunks)  # read at launch, before the next replay
+        return logits, with_hidden(batch, self.hidden[:b] if asked else None), "graph"
 
     def close(self) -> None:
-        self.bufs = self.kv_addrs = None
+        self.bufs = self.kv_addrs = self.hidden = None

@@ -1,6 +1,4 @@
-"""The fixed-address buffers a full CUDA graph reads and writes.
-
-`stage` crosses a batch in ONE copy; attention reads the KV pool through `KVAddresses`."""
+"""The fixed-address buffers a full CUDA graph reads and writes; `stage` is ONE copy."""
 
 from __future__ import annotations
 
@@ -11,8 +9,8 @@ import torch
 
 from service.engine.batch import PrefillBatch, SeqChunk
 from service.engine.host_copy import HostCopy
-from service.engine.packing import Packing
 from service.engine.pages import DUMMY_SLOT, pages_for
+from service.engine.runners.packing import Packing
 from service.engine.sampling import summary_width
 from service.model.meta import ForwardMeta, KVCache
 
@@ -53,7 +51,6 @@ class FullBuffers:
         self._stage_views: dict[tuple[int, int], tuple] = {}
 
     def packing(self, n: int) -> Packing:
-        """Bucket n's layout, in FullViews' order."""
         s = self.max_seqs
         return Packing.of((n, n, n, s, s), (s + 1, s, s * self.max_pages), ALIGN)
 

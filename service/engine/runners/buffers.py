@@ -1,6 +1,4 @@
-"""Static buffers of the graph runners: one max-size set, allocated once, sliced per bucket.
-
-The `arena` holds qkv and attn during attention, then the MLP's gate|up in row chunks."""
+"""The graph runners' static buffers: one max-size set sliced per bucket; `arena`: qkv|attn|MLP."""
 
 from __future__ import annotations
 

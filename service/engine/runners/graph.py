@@ -112,7 +112,6 @@ class SegmentBackend:
 
     @property
     def keys(self) -> tuple[Hashable, ...]:
-        """In capture order."""
         return tuple(self._steps)
 
     @property
