@@ -1,1 +1,2 @@
-"""HTTP API: app factory + lifespan, routes, schemas, errors, metrics."""
+"""HTTP API: the shared layer here, one package per protocol (openai/, native/; TEI's routes would
+be a tei/ package), each listing its ROUTERS, which app.create_app serves."""

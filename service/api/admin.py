@@ -11,9 +11,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.api.connection import ConnectionLimits, GuardedProtocol
 from service.api.errors import error_bytes
 from service.api.middleware import send_json
-from service.api.protocol import ConnectionLimits, GuardedProtocol
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +21,7 @@ log = logging.getLogger(__name__)
 ADMIN_MAX_CONNECTIONS = 64
 # A probe sends its request at once and reads the answer: longer idle is a scanner's
 ADMIN_IDLE_S = 2.0
-# A new connection's time to send its request before it may be shed: a probe that arrives
-# amid a burst of connections is read before the burst can push it out
+# A new connection's time to send its request before it may be shed (a probe amid a burst)
 ADMIN_GRACE_S = 0.1
 ADMIN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ADMIN_METHODS = frozenset({"GET", "HEAD"})
@@ -79,7 +78,6 @@ class AdminProtocol(GuardedProtocol):
 
 
 def admin_protocol(max_header_bytes: int, count: Callable[[str], None]) -> Callable[..., Any]:
-    """uvicorn.Config(http=...) for the admin server: heads, bodies and keep-alive end after
-    ADMIN_IDLE_S (the keep-alive is uvicorn's timeout_keep_alive)."""
+    """uvicorn.Config(http=...) for the admin server: heads and bodies end after ADMIN_IDLE_S."""
     limits = ConnectionLimits(max_header_bytes, ADMIN_IDLE_S, ADMIN_IDLE_S, ADMIN_MAX_CONNECTIONS)
     return functools.partial(AdminProtocol, limits=limits, count=count, held={})

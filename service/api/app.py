@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
-from service.api import (
-    errors,
-    routes_chat,
-    routes_completions,
-    routes_health,
-    routes_metrics,
-    routes_models,
-    routes_prefill,
-    routes_score,
-    routes_tokenizer,
-)
+from service.api import errors, native, openai, probes
 from service.api.engine_client import EngineClient
 from service.api.middleware import BodyLimit, Guard
 from service.api.state import AppState
@@ -26,12 +15,13 @@ from service.config import EngineConfig, ServerConfig
 from service.metrics import Metrics
 from service.model.tokenizer import TextTokenizer
 
-log = logging.getLogger(__name__)
+ROUTERS = (probes.router, *native.ROUTERS, *openai.ROUTERS)
 
 
 def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: EngineClient,
-               tokenizer: TextTokenizer, *, metrics: Metrics | None = None) -> FastAPI:
-    """An app in front of `engine`; its lifespan connects to it."""
+               tokenizer: TextTokenizer, *, metrics: Metrics | None = None,
+               routers: Sequence[APIRouter] = ROUTERS) -> FastAPI:
+    """An app in front of `engine` serving `routers`; its lifespan connects to it."""
     metrics = metrics or Metrics(server_cfg.served_model_name)
     state = AppState(engine_cfg, server_cfg, engine, tokenizer, metrics)
 
@@ -52,7 +42,6 @@ def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engin
     app.add_middleware(BodyLimit, max_bytes=server_cfg.max_body_bytes,
                        on_reject=lambda: metrics.count("bad_request"))
     app.add_middleware(Guard, draining=lambda: state.draining, count=metrics.count)
-    for module in (routes_health, routes_metrics, routes_models, routes_prefill,
-                   routes_completions, routes_chat, routes_score, routes_tokenizer):
-        app.include_router(module.router)
+    for router in routers:
+        app.include_router(router)
     return app

@@ -24,10 +24,8 @@ _ints = msgspec.json.Decoder(list[int])
 
 
 class FastJSONRequest(Request):
-    """A big JSON body parsed (msgspec) and validated (`validate`: the route's body field) in a
-    thread, one big body at a time: the loop waits for one call at most, not for every body.
-    What msgspec refuses (NaN, 1e400, lone surrogates, deep nesting) json parses, as FastAPI
-    does; an invalid body is left to FastAPI's own validation, for its errors."""
+    """A big JSON body parsed (msgspec) and validated (`validate`) in a thread, one at a time;
+    what msgspec refuses json parses, and an invalid body is left to FastAPI, for its errors."""
 
     validate: Callable[[Any], tuple[Any, list]] | None = None
 
@@ -90,8 +88,7 @@ def parse_ids(raw: bytes) -> np.ndarray | None:
 
 
 def parse_body(raw: bytes, model: type[M], ids_field: str) -> tuple[M, np.ndarray]:
-    """`raw` as `model` and its `ids_field` by parse_ids; what that refuses is validated whole
-    (for pydantic's error)."""
+    """`raw` as `model`, its `ids_field` by parse_ids (else validated whole, for the error)."""
     ids = None
     try:
         fields = _fields.decode(raw)

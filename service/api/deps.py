@@ -34,21 +34,18 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 def json_response(body: BaseModel) -> Response:
-    """`body` serialized once, by pydantic; the route's response_model stays for the schema.
-    (Returning the model would make FastAPI dump, re-validate and encode it: three passes.)"""
+    """`body` serialized once (returning it, FastAPI would dump, re-validate and encode it)."""
     return Response(body.model_dump_json(), media_type="application/json")
 
 
 def logprob_count(results: Sequence[PromptResult], params: SamplingParams) -> int:
-    """The logprobs an answer to `params` reports: at each position (every prompt token with
-    prompt logprobs) the token's, its alternatives' and the named tokens'."""
+    """The logprobs an answer to `params` reports: per position, the token's, top and named."""
     positions = sum(1 + len(r.prompt_logprobs or ()) for r in results)
     return positions * (1 + params.top_logprobs + len(params.logprob_token_ids))
 
 
 def json_array(items: Iterable[Any]) -> msgspec.Raw:
-    """`items` (plain data) as one JSON array, made and encoded JSON_PIECE at a time: no one C
-    call of json_answer's thread holds the GIL for long, and only a piece is alive at once."""
+    """`items` as one JSON array, encoded JSON_PIECE at a time: no C call holds the GIL long."""
     it, parts = iter(items), []
     while piece := list(itertools.islice(it, JSON_PIECE)):
         parts.append(_encoder.encode(piece)[1:-1])
@@ -73,12 +70,9 @@ def parts_response(parts: list[bytes]) -> Response:
 
 
 async def json_answer(logprobs: int, build: Callable[[], BaseModel | Any]) -> Response:
-    """The JSON of `build()`, a pydantic model (encoded by pydantic) or plain dicts and lists
-    (by msgspec: a float that is not finite becomes null, as pydantic writes it). An answer of
-    more than INLINE_LOGPROBS logprobs is built and encoded in a thread: megabytes of it would
-    hold the event loop, and every request of this worker, for hundreds of milliseconds. The
-    GIL still takes turns (every GIL_SWITCH_INTERVAL_S, service/process.py), so the loop
-    waits at most that long, or one C call of the build (an encode), to run."""
+    """The JSON of `build()`: a pydantic model, or plain data (msgspec; a non-finite float is
+    null, as in pydantic). Past INLINE_LOGPROBS logprobs it is built in a thread: megabytes of it
+    would hold the loop; the GIL's turns (GIL_SWITCH_INTERVAL_S) bound the loop's wait."""
 
     def encode() -> bytes | str:
         body = build()

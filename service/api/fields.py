@@ -1,6 +1,5 @@
-"""What the clients' request fields mean here: unknown fields ignored (reported, bounded), fields
-that would change the answer refused by name, and vLLM's sampling fields turned into the one
-SamplingParams the engine knows."""
+"""The request-field policy: unknown fields ignored (reported, bounded), fields that would change
+the answer refused by name."""
 
 from __future__ import annotations
 
@@ -9,12 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-from service.engine.interface import SamplingParams
-
-if TYPE_CHECKING:
-    from service.api.state import AppState
+from typing import Any
 
 log = logging.getLogger("service.api")
 
@@ -41,8 +35,7 @@ EXAMPLES = 5
 
 
 class UnknownFields:
-    """Unknown request field names: ignored, and reported at most one line per REPORT_EVERY_S
-    (how many requests brought new names, a few of them); memory and work per request bounded."""
+    """Unknown field names, reported at most a line per REPORT_EVERY_S; memory and work bounded."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock, self._lock = clock, threading.Lock()
@@ -95,51 +88,3 @@ def ignore_unknown(model: str, extra: dict[str, Any] | None) -> None:
     """Fields vLLM and SGLang would accept without using them: accepted, reported (bounded)."""
     if extra:
         _unknown.note(model, extra)
-
-
-def sampling_params(state: AppState, body: Any, *, top_logprobs: int = 0,
-                    prompt_logprobs: bool = False,
-                    logprob_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-    """`body`'s sampling fields (schemas._Sampling) with vLLM's meaning: top_k -1 is off,
-    min_tokens >= 1 bans the stop tokens from coming first, priority must be 0."""
-    from service.api.errors import BadInput
-    from service.api.prompts import check_vocab
-
-    vocab = state.engine.info.vocab_size
-    if body.priority != 0:
-        raise BadInput(f"priority={body.priority}: priority scheduling is not enabled "
-                       "(the queue is first-in, first-out); send 0", "priority")
-    bias: dict[int, float] = {}
-    for key, value in (body.logit_bias or {}).items():
-        try:  # vLLM's int(key): " 1 ", "+1", "1_0", "-0" and other digits ("٣", "１") are ids
-            bias[int(key)] = value
-        except ValueError:
-            raise BadInput(f"logit_bias: the key {key[:40]!r} is not a token id",
-                           "logit_bias") from None
-    check_vocab(list(bias), vocab, "logit_bias")
-    allowed = tuple(body.allowed_token_ids or ())
-    check_vocab(allowed, vocab, "allowed_token_ids")
-    stops = tuple(body.stop_token_ids or ())
-    check_vocab(stops, vocab, "stop_token_ids")
-    banned: tuple[int, ...] = ()
-    if body.min_tokens > 0:
-        eos = state.tokenizer.eos_id
-        banned = tuple(dict.fromkeys(
-            ([eos] if eos is not None and not body.ignore_eos else []) + list(stops)))
-    if allowed and set(allowed) <= set(banned):
-        raise BadInput("every allowed token is a stop token that min_tokens keeps from "
-                       "coming first", "allowed_token_ids")
-    return SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-        seed=body.seed, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-        logprob_token_ids=logprob_token_ids, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, logit_bias=tuple(bias.items()),
-        allowed_token_ids=allowed, banned_token_ids=banned)
-
-
-def truncated(ids: list[int], keep: int | None, limit: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: the longest prompt served)."""
-    if keep is None:
-        return ids
-    keep = limit if keep == -1 else keep
-    return ids[-keep:] if keep else []

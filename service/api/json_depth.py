@@ -1,6 +1,5 @@
-"""One bound on how deep a request's JSON nests. Parsers, Jinja's `tojson` and `repr` all recurse,
-so a value nested deeper than MAX_JSON_DEPTH is a 400 that names where it is, never a
-RecursionError."""
+"""One bound on how deep a request's JSON nests (parsers, `tojson` and `repr` recurse): deeper than
+MAX_JSON_DEPTH is a 400 naming where, never a RecursionError."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Between routes and engine: tokenize and check prompts, submit, await, handle disconnects."""
+"""Between routes and engine: tokenize and check prompts and sampling fields, submit, await."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.types import Receive
 
 from service.api.errors import BadInput, ClientDisconnected, ModelNotFound, PromptTooLong
-from service.api.fields import truncated
+from service.api.schemas import Sampling
 from service.api.state import AppState
 from service.config import clip
 from service.engine.interface import NotReady, PromptResult, SamplingParams
@@ -118,12 +118,55 @@ def check_vocab(ids: Sequence[int] | np.ndarray, vocab: int, name: str) -> None:
 
 def named_ids(state: AppState, ids: list[int] | None,
               field: str = "logprob_token_ids") -> tuple[int, ...]:
-    """A request's named tokens (logprob_token_ids, label_token_ids), checked against the
-    vocabulary."""
+    """A request's named tokens (logprob_token_ids, label_token_ids), in the vocabulary."""
     if not ids:
         return ()
     check_ids(state, [ids], field, single=True)
     return tuple(ids)
+
+
+def truncated(ids: list[int], keep: int | None, limit: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: the longest prompt served)."""
+    if keep is None:
+        return ids
+    keep = limit if keep == -1 else keep
+    return ids[-keep:] if keep else []
+
+
+def sampling_params(state: AppState, body: Sampling, *, top_logprobs: int = 0,
+                    prompt_logprobs: bool = False,
+                    logprob_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """`body`'s sampling fields with vLLM's meaning (top_k -1 off, min_tokens bans stops)."""
+    vocab = state.engine.info.vocab_size
+    if body.priority != 0:
+        raise BadInput(f"priority={body.priority}: priority scheduling is not enabled "
+                       "(the queue is first-in, first-out); send 0", "priority")
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:  # vLLM's int(key): " 1 ", "+1", "1_0", "-0" and other digits ("٣", "１") are ids
+            bias[int(key)] = value
+        except ValueError:
+            raise BadInput(f"logit_bias: the key {key[:40]!r} is not a token id",
+                           "logit_bias") from None
+    check_vocab(list(bias), vocab, "logit_bias")
+    allowed = tuple(body.allowed_token_ids or ())
+    check_vocab(allowed, vocab, "allowed_token_ids")
+    stops = tuple(body.stop_token_ids or ())
+    check_vocab(stops, vocab, "stop_token_ids")
+    banned: tuple[int, ...] = ()
+    if body.min_tokens > 0:
+        eos = state.tokenizer.eos_id
+        banned = tuple(dict.fromkeys(
+            ([eos] if eos is not None and not body.ignore_eos else []) + list(stops)))
+    if allowed and set(allowed) <= set(banned):
+        raise BadInput("every allowed token is a stop token that min_tokens keeps from "
+                       "coming first", "allowed_token_ids")
+    return SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+        seed=body.seed, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+        logprob_token_ids=logprob_token_ids, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, logit_bias=tuple(bias.items()),
+        allowed_token_ids=allowed, banned_token_ids=banned)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -133,8 +176,8 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 async def run_prompts(state: AppState, http: HTTPRequest, prompts: list[list[int]],
                       params: SamplingParams, shared: int = 0) -> list[PromptResult]:
-    """Send all prompts as one engine request and await it; if the client goes, cancel it.
-    `shared` > 0: the prompts' first `shared` tokens are the same, prefilled once."""
+    """Await all prompts as one engine request (cancelled if the client goes); `shared` > 0:
+    the prompts' first `shared` tokens are the same, prefilled once."""
     require_ready(state)
     rid, results = state.engine.submit(prompts, params, shared)
     state.active_requests += 1

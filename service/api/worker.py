@@ -45,8 +45,7 @@ class DrainingServer(uvicorn.Server):
         return self.config.app.state.prefill
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # NOTE: flags only, acted on in on_tick. Not recorded in uvicorn's _captured_signals,
-        # which would re-raise SIGTERM after shutdown.
+        # NOTE: flags for on_tick, not uvicorn's _captured_signals (they re-raise SIGTERM)
         self.signals.append(sig)
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.drain_timeout_s
@@ -75,8 +74,7 @@ class DrainingServer(uvicorn.Server):
 
 
 class AdminServer(uvicorn.Server):
-    """SIGTERM marks the drain (/ready answers 503) and the probes keep being answered; the
-    next one, which the supervisor sends once the API workers have exited, stops it."""
+    """SIGTERM starts the drain (/ready: 503), probes still answered; the next one stops it."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = self.config.app.state.prefill
@@ -90,7 +88,7 @@ def uvicorn_config(app: FastAPI, server_cfg: ServerConfig, *, workers: int = 1,
                    admin: bool = False, **overrides: Any) -> uvicorn.Config:
     """The API workers' server on PORT, or with `admin` the admin server's on ADMIN_PORT."""
     from service.api.admin import ADMIN_IDLE_S, admin_protocol
-    from service.api.protocol import ConnectionLimits, GuardedProtocol
+    from service.api.connection import ConnectionLimits, GuardedProtocol
 
     state = app.state.prefill
     kw: dict[str, Any] = dict(
@@ -123,9 +121,8 @@ def watchdog(server: DrainingServer) -> None:
 def run(worker: int, slot: int, engine_cfg: EngineConfig, server_cfg: ServerConfig,
         addrs: Addresses, sockets: list[socket.socket], alive: Connection,
         tokenizer: TextTokenizer, admin: bool = False) -> None:
-    """API worker `worker`, or with `admin` the admin server (the engine routes replies by
-    `worker`: new for every process); `slot` names its metric files and passes from a dead
-    process to its replacement."""
+    """API worker `worker` (new per process), or the admin server; `slot` names its metric files
+    and passes from a dead process to its replacement."""
     setup_child(server_cfg.log_level, "service.worker")
     from service.api.app import create_app
     from service.api.engine_client import EngineClient

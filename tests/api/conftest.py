@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 import zmq
 
-from service.api.app import create_app
+from service.api.app import ROUTERS, create_app
 from service.api.engine_client import EngineClient
 from service.api.worker import uvicorn_config
 from service.config import load_settings, resolve
@@ -246,7 +246,8 @@ def tokenizer() -> Any:
     return model_tokenizer(None)
 
 
-def start_app(engine_factory: Callable[[Any], Any], tokenizer: Any, **env: Any) -> LiveApp:
+def start_app(engine_factory: Callable[[Any], Any], tokenizer: Any, routers: Any = ROUTERS,
+              **env: Any) -> LiveApp:
     """An app with env overrides whose engine is `engine_factory(EngineConfig)`, started (not
     yet ready): the app in this process, its engine's server loop on a thread, ZeroMQ between
     them. The caller closes it."""
@@ -261,20 +262,20 @@ def start_app(engine_factory: Callable[[Any], Any], tokenizer: Any, **env: Any) 
                           alive=alive_r,
                           key_page_size=eng_cfg.page_size if eng_cfg.prefix_cache else 0,
                           request_timeout_s=srv_cfg.request_timeout_s)
-    app = create_app(eng_cfg, srv_cfg, client, tokenizer, metrics=metrics)
+    app = create_app(eng_cfg, srv_cfg, client, tokenizer, metrics=metrics, routers=routers)
     return LiveApp(app, engine, alive_w)
 
 
 @pytest.fixture
 def make_app(core: Any, tokenizer: Any) -> Iterator[Callable[..., LiveApp]]:
-    """make_app(env overrides..., engine_factory=None, max_batch_tokens=None) -> ready LiveApp
-    (start_app's) on the session core, or on `engine_factory(EngineConfig)`."""
+    """make_app(env overrides..., engine_factory=None, max_batch_tokens=None, routers=ROUTERS)
+    -> ready LiveApp (start_app's) on the session core, or on `engine_factory(EngineConfig)`."""
     apps: list[LiveApp] = []
 
     def make(engine_factory: Callable | None = None, max_batch_tokens: int | None = None,
-             wait: bool = True, **env: Any) -> LiveApp:
+             wait: bool = True, routers: Any = ROUTERS, **env: Any) -> LiveApp:
         factory = engine_factory or (lambda cfg: TestEngine(core, max_batch_tokens))
-        live = start_app(factory, tokenizer, **env)
+        live = start_app(factory, tokenizer, routers, **env)
         apps.append(live)
         if wait:
             live.wait_ready()

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from service.api.chat_template import render
+from service.api.openai.chat_template import render
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 ASK = [{"role": "system", "content": "Answer with one word."},

@@ -1,4 +1,4 @@
-"""service.api.chat_template against transformers' apply_chat_template(..., tokenize=False): the
+"""openai/chat_template.py against transformers' apply_chat_template(..., tokenize=False): the
 embedded model's template, a Llama-3 and a Qwen2.5 template (from their models' published
 tokenizer_config.json), and the sandbox's globals, filters and variables."""
 
@@ -9,8 +9,8 @@ import datetime
 
 import pytest
 
-from service.api.chat_template import compiled, render
 from service.api.errors import BadInput
+from service.api.openai.chat_template import compiled, render
 from service.model.files import default_model_path
 
 # meta-llama/Meta-Llama-3-8B-Instruct

@@ -168,7 +168,7 @@ def test_small_bodies_are_tokenized_on_the_loop_large_ones_in_a_thread(api, monk
 def test_the_answer_is_what_its_schema_writes(api) -> None:
     """The answer is built as plain data: it is what PrefillResponse dumps, field for field and
     in order, with and without prompt logprobs, alternatives and named tokens."""
-    from service.api.schemas import PrefillResponse
+    from service.api.native.prefill import PrefillResponse
 
     for body in ({"prompt": FRANCE},
                  {"prompts": [FRANCE, "Hi"], "prompt_logprobs": True, "top_logprobs": 3,

@@ -53,7 +53,7 @@ def test_scores_match_transformers(api, core, smollm2_hf) -> None:
 def test_the_query_is_prefilled_apart_once_that_saves_enough(make_app, core) -> None:
     """A query shared by the items is prefilled once when that saves MIN_SAVED_TOKENS
     (shared x (items - 1)); below, the prompts run whole. Either way the scores agree."""
-    from service.api.routes_score import MIN_SAVED_TOKENS
+    from service.api.native.score import MIN_SAVED_TOKENS
 
     app = make_app(prefix_cache="false")
     n = MIN_SAVED_TOKENS // 2 + 8  # two items save less than the bar, three more

@@ -1,7 +1,5 @@
-"""The HTTP/1.1 connection layer: uvicorn's httptools protocol with limits on what a client holds.
-
-A POST to /v1/ that cannot be queued is answered from its head, before an ASGI task exists.
-A connection closed while its client still sends lingers, so the client reads the answer."""
+"""The HTTP/1.1 connection: uvicorn's httptools protocol with limits on what a client holds; a POST
+to /v1/ that cannot be queued is answered from its head, and a close lingers for the client."""
 
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ ANSWERED = _Answered()
 
 
 class _Lingering:
-    """The transport as uvicorn sees it: closing it while the request's body still comes in
-    lingers instead, so a response such as BodyLimit's 413 is read rather than reset."""
+    """The transport uvicorn sees: a close while the body comes in lingers, so a 413 is read."""
 
     def __init__(self, transport: asyncio.Transport, protocol: GuardedProtocol):
         self._transport, self._protocol = transport, protocol
@@ -217,8 +214,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._linger()
 
     def _linger(self) -> None:
-        """Shut the write side, discard what the client still sends, close after LINGER_S (or
-        at the client's EOF): closing on unread input would reset the connection."""
+        """Shut the write side, discard what the client sends, close after LINGER_S or its EOF."""
         self._disarm()
         raw = self._raw
         assert raw is not None, "connection_made sets the raw transport"

@@ -4,10 +4,12 @@ probabilities of the label tokens; the items' shared query is prefilled once for
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
 
 from service.api.deps import State, json_answer, logprob_count, require_api_key
 from service.api.errors import BadInput
@@ -19,12 +21,42 @@ from service.api.prompts import (
     tokenized,
     too_long,
 )
-from service.api.schemas import PromptTokensDetails, ScoreRequest, ScoreResponse, ScoreUsage
+from service.api.schemas import Body, PromptTokensDetails, Text, TokenIds
 from service.api.state import AppState
-from service.engine.interface import SamplingParams
+from service.engine.interface import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 from service.engine.pages import common_prefix
 
 router = APIRouter(prefix="/v1", tags=["score"], dependencies=[Depends(require_api_key)])
+
+
+class ScoreRequest(Body):
+    """SGLang's /v1/score body: items scored as `query + item` (`item + query` with item_first)."""
+
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    query: Text | TokenIds | None = Field(None, description=(
+        "Text, or token ids (then items are token ids too); empty: the items are whole prompts."))
+    items: Text | list[Text] | list[TokenIds] | None = None
+    label_token_ids: TokenIds | None = Field(
+        None, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+            "Tokens whose next-token probabilities make each item's scores, in this order."))
+    apply_softmax: bool = Field(False, description=(
+        "Normalise each item's scores over the labels; else each is the token's probability "
+        "under the full vocabulary."))
+    item_first: bool = False
+
+
+class ScoreUsage(BaseModel):
+    prompt_tokens: int  # of every query + item prompt, as if each were prefilled alone
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails  # cached: the query's KV reused, prefix cache
+
+
+class ScoreResponse(BaseModel):
+    scores: list[list[float]]  # per item, per label
+    model: str
+    usage: ScoreUsage
+    object: Literal["scoring"] = "scoring"
 
 
 def score_prompts(state: AppState, body: ScoreRequest) -> list[np.ndarray]:
@@ -71,16 +103,13 @@ def score_prompts(state: AppState, body: ScoreRequest) -> list[np.ndarray]:
     return out
 
 
-# The shared query is prefilled in a forward of its own before its items': one forward more in
-# sequence, which pays once it saves this many tokens (shared x (items - 1)). On the H200
-# (bench/score.py) a 64-token query over 2 items (64 saved) ran at 0.63x the speed of the whole
-# prompts, 256 x 4 (768 saved) at 0.97x (SmolLM2) and 1.70x (Llama-3.2-1B), 1,024 x 64 at 8-21x.
+# A shared query's own forward pays once it saves this many tokens (shared x (items - 1))
 MIN_SAVED_TOKENS = 512
 
 
 def shared_tokens(state: AppState, prompts: list[np.ndarray]) -> int:
-    """The leading tokens every prompt shares, when prefilling them once pays: at least a full
-    KV page and MIN_SAVED_TOKENS saved, and every prompt keeps a token of its own."""
+    """The tokens every prompt shares, when prefilling them once pays: a KV page, MIN_SAVED_TOKENS
+    saved, and a token of its own left to each prompt."""
     if len(prompts) < 2:
         return 0
     shared = min(common_prefix(prompts), min(map(len, prompts)) - 1)

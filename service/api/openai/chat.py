@@ -1,42 +1,120 @@
-"""POST /v1/chat/completions: OpenAI's chat API with vLLM's extras, limited to max_tokens 0 or 1.
-
-The messages are rendered with the model's own chat template (service.api.chat_template) and
-tokenized without a BOS of the tokenizer's own (vLLM's add_special_tokens=false for chat).
-max_tokens=0 with echo=true (or prompt_logprobs) scores the rendered prompt; temperature
-defaults to 0 here."""
+"""POST /v1/chat/completions: OpenAI's chat API with vLLM's extras, max_tokens 0 or 1; messages
+rendered by the model's chat template, tokenized without an added BOS (vLLM's default for chat)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
 
 from service.api.bodies import FastJSONRoute
-from service.api.chat_template import generation_prompt, render, texts
-from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.deps import State, json_answer, logprob_count, require_api_key
 from service.api.errors import BadInput
-from service.api.fields import sampling_params
-from service.api.prompts import encode_texts, named_ids, run_prompts, tokenized
-from service.api.schemas import CompletionUsage, PromptTokensDetails
-from service.api.schemas_chat import (
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprob,
-    ChatLogprobs,
-    ChatLogprobsContent,
-    ChatResponseMessage,
-)
+from service.api.openai.chat_template import generation_prompt, render, texts
+from service.api.openai.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
+from service.api.openai.schemas import ChatMessage, CompletionUsage, PromptLogprob
+from service.api.prompts import encode_texts, named_ids, run_prompts, sampling_params, tokenized
+from service.api.schemas import PromptTokensDetails, Sampling, Text, TokenIds
 from service.api.state import AppState
 from service.config import clip
-from service.engine.interface import PositionLogprobs, PromptResult
+from service.engine.interface import (
+    MAX_INT32,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PositionLogprobs,
+    PromptResult,
+)
 
 router = APIRouter(prefix="/v1", tags=["chat"], dependencies=[Depends(require_api_key)],
                    route_class=FastJSONRoute)
+
+
+class ChatCompletionRequest(Sampling):
+    """OpenAI's chat completions request with vLLM's extra fields; max_tokens 0 or 1."""
+
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
+                                   description="0 or 1 (default 1) in this service.")
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
+                                              description="Takes precedence over max_tokens.")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_token_ids: TokenIds | None = Field(
+        None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+            "vLLM's: with logprobs, top_logprobs lists these tokens (and the chosen one), "
+            "whatever their rank."))
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "vLLM's: each prompt token's logprob and rank with this many alternatives, keyed by "
+        "token id, in the response's prompt_logprobs (echo sets it to top_logprobs)."))
+    n: int = Field(1, ge=1, le=MAX_INT32)
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    stop: Text | list[Text] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="Given to the template.")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = Field(None, description="Given to the template.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="Given to the template, with enable_thinking (vLLM).")
+    add_generation_prompt: bool | None = Field(None, description=(
+        "Default: true, false with continue_final_message."))
+    continue_final_message: bool = False
+    add_special_tokens: bool = Field(False, description=(
+        "Add the tokenizer's BOS on top of what the template writes (vLLM's default: false)."))
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
+        "More template variables (enable_thinking, ...)."))
+    echo: bool = Field(False, description=(
+        "vLLM's: the reply starts with the last message's content when that message has the "
+        "reply's role; prompt_logprobs defaults to top_logprobs."))
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool | None = False
+    return_token_ids: bool | None = False
+    user: Text | None = None
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobsContent(ChatLogprob):
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobsContent] | None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["length", "stop"]
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # no KV transfer here (vLLM's answer)
 
 MIN_LOGPROB = -9999.0  # vLLM's floor for a reported logprob (-inf is not JSON)
 
@@ -91,8 +169,7 @@ def _entry(name: str, logprob: float) -> ChatLogprob:
 
 def logprobs_content(state: AppState, body: ChatCompletionRequest, p: PositionLogprobs,
                      named: tuple[int, ...]) -> ChatLogprobsContent:
-    """The chosen token and its top_logprobs: the most likely `top_logprobs` tokens, or the
-    named tokens and the chosen one (vLLM's logprob_token_ids)."""
+    """The chosen token and its top_logprobs: the most likely, or the named and the chosen one."""
     name = token_namer(state.tokenizer, body.return_tokens_as_token_ids)
     if p.named is None:
         top = [_entry(name(t.id), t.logprob) for t in p.top[:body.top_logprobs or 0]]

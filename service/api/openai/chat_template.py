@@ -1,6 +1,5 @@
-"""The model's chat template, rendered as transformers' `apply_chat_template(..., tokenize=False)`
-renders it (the same Jinja sandbox, options, globals and variables), from messages parsed as
-vLLM parses them. Each template is compiled once."""
+"""The model's chat template, rendered as transformers' `apply_chat_template(tokenize=False)` does
+(its Jinja sandbox, globals, variables), on messages parsed as vLLM parses them; compiled once."""
 
 from __future__ import annotations
 
@@ -19,21 +18,19 @@ from pydantic import ValidationError
 
 from service.api import json_depth
 from service.api.errors import BadInput
-from service.api.schemas_chat import ChatMessage, ToolCall
+from service.api.openai.schemas import ChatMessage, ToolCall
 from service.config import clip
 from service.model.tokenizer import TextTokenizer
 
 # Variables render() sets itself; chat_template_kwargs may set any other
 RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
             "chat_template", "tokenize")
-# Appended to the message to continue, then cut with all that follows it. It ends with a space
-# so that a template's `| trim` shows the cut (the text before it is then right-stripped).
+# Marks the message to continue, cut with all after it; its space shows a template's `| trim`
 _CUT = "<|continue-final-message|> "
 
 
 class _Generation(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it for
-    training masks) renders its body unchanged."""
+    """`{% generation %}` (transformers' training-mask marker) renders its body unchanged."""
 
     tags = {"generation"}
 
@@ -97,8 +94,7 @@ _ENV = _environment()
 
 @functools.lru_cache(maxsize=8)
 def compiled(source: str) -> tuple[jinja2.Template, bool]:
-    """The template, and whether it loops over a message's content (then every content goes in
-    as a list of text parts, as vLLM's "openai" content format; else as one string)."""
+    """The template, and whether it loops over a message's content (vLLM's "openai" format)."""
     try:
         ast = _ENV.parse(source)
         return _ENV.from_string(ast), _loops_over_content(ast)
@@ -108,8 +104,7 @@ def compiled(source: str) -> tuple[jinja2.Template, bool]:
 
 
 def _reads(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> bool:
-    """`node` is one of `names` (with `key`: its `[key]` or `.key`), through filters, tests and
-    slices: `messages`, `messages[1:]`, `messages | reverse`, `message['content']`."""
+    """`node` reads one of `names` (or its `[key]`), through filters, tests and slices."""
     while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
             isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
         if node.node is None:
@@ -125,8 +120,7 @@ def _reads(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> 
 
 
 def _loops_over_content(ast: jinja2.nodes.Template) -> bool:
-    """vLLM's content-format detection: a `{% for part in message['content'] %}` where
-    `message` runs over `messages` (or a variable set from it)."""
+    """vLLM's content-format detection: a loop over `message['content']` of each message."""
     lists = {"messages"}
     while True:  # {% set loop_messages = messages[1:] %}, and so on
         more = {a.target.name for a in ast.find_all(jinja2.nodes.Assign)
@@ -200,9 +194,7 @@ def _as_message(m: ChatMessage | Mapping[str, Any], i: int) -> ChatMessage:
 
 def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]],
                  as_parts: bool) -> list[dict[str, Any]]:
-    """What the template sees of each message: vLLM's fields (role, content, name, tool_calls
-    with their arguments as objects, tool_call_id, reasoning), with transformers' aliases of
-    the reasoning (reasoning_content, thinking)."""
+    """What the template sees of each message: vLLM's fields, transformers' reasoning aliases."""
     out = []
     for i, raw in enumerate(messages):
         m = _as_message(raw, i)
@@ -226,8 +218,7 @@ def conversation(messages: Sequence[ChatMessage | Mapping[str, Any]],
 
 
 def generation_prompt(add: bool | None, continue_final_message: bool) -> bool:
-    """add_generation_prompt as vLLM resolves it: true unless the last message is continued;
-    both at once is a 400."""
+    """add_generation_prompt as vLLM resolves it (true unless continuing); both true is a 400."""
     if add and continue_final_message:
         raise BadInput("continue_final_message and add_generation_prompt cannot both be true: "
                        "continue the last message or start a new one", "continue_final_message")
@@ -239,9 +230,8 @@ def render(tokenizer: TextTokenizer, messages: Sequence[ChatMessage | Mapping[st
            chat_template_kwargs: Mapping[str, Any] | None = None,
            tools: list[dict[str, Any]] | None = None,
            documents: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text of a conversation under the model's own chat template. A model without
-    one, a conversation the template refuses (raise_exception) or fails on, or a message the
-    template drops while continuing it, is a BadInput (400) that says so."""
+    """The prompt text of a conversation under the model's chat template; no template, or one
+    that refuses, fails or drops the continued message, is a BadInput (400) that says so."""
     if tokenizer.chat_template is None:
         raise BadInput("the served model has no chat template, so chat requests cannot be "
                        "rendered; send the formatted prompt to /v1/completions", "messages")

@@ -5,20 +5,94 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, Field, model_validator
 
 from service.api.bodies import FastJSONRoute
 from service.api.deps import State, json_answer, json_array, logprob_count, require_api_key
-from service.api.fields import sampling_params
-from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
-from service.api.schemas import PrefillRequest, PrefillResponse
+from service.api.prompts import (
+    check_ids,
+    encode_texts,
+    named_ids,
+    run_prompts,
+    sampling_params,
+    tokenized,
+)
+from service.api.schemas import Sampling, Text, TokenIds
 from service.api.state import AppState
-from service.engine.interface import PromptResult, TokenLogprob
+from service.engine.interface import (
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PromptResult,
+    TokenLogprob,
+)
 
 router = APIRouter(prefix="/v1", tags=["prefill"], dependencies=[Depends(require_api_key)],
                    route_class=FastJSONRoute)
+
+
+class PrefillRequest(Sampling):
+    """Exactly one of `prompt` (one text), `prompts` (texts) or `input_ids` (one or many)."""
+
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    prompt: Text | None = None
+    prompts: list[Text] | None = Field(None, min_length=1)
+    input_ids: TokenIds | list[TokenIds] | None = Field(None, min_length=1)
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                              description="Alternatives reported for the next token.")
+    prompt_logprobs: bool = Field(False, description=(
+        "Return the logprob of every prompt token given its prefix (and its top_logprobs)."))
+    logprob_token_ids: TokenIds | None = Field(
+        None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+            "Token ids whose next-token logprobs are returned (`token_logprobs`, in this order) "
+            "whatever their rank, at every prompt position too with prompt_logprobs."))
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PrefillRequest:
+        given = [n for n in ("prompt", "prompts", "input_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, prompts or input_ids"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+
+class TokenInfo(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class PromptTokenInfo(TokenInfo):
+    top_logprobs: list[TokenInfo] | None = None
+    token_logprobs: list[TokenInfo] | None = None
+
+
+class PrefillResult(BaseModel):
+    index: int
+    prompt_tokens: int
+    cached_tokens: int
+    next_token: TokenInfo
+    top_logprobs: list[TokenInfo]
+    token_logprobs: list[TokenInfo] | None = None  # of the request's logprob_token_ids
+    prompt_logprobs: list[PromptTokenInfo] | None = None  # one per prompt token; first: null
+    queue_ms: float
+    prefill_ms: float
+
+
+class PrefillUsage(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class PrefillResponse(BaseModel):
+    id: str
+    object: Literal["prefill"] = "prefill"
+    model: str
+    results: list[PrefillResult]
+    usage: PrefillUsage
 
 
 def prompt_ids(state: AppState, body: PrefillRequest) -> list[list[int]]:
@@ -34,8 +108,7 @@ def prompt_ids(state: AppState, body: PrefillRequest) -> list[list[int]]:
     return check_ids(state, [ids], "input_ids", True, cut)  # type: ignore[list-item]
 
 
-# The answer is plain dicts and lists, as the schema's models dump them: with prompt logprobs
-# it has one per prompt token and alternative, too many to build as models
+# The answer is plain dicts as the models dump them: prompt logprobs are too many for models
 
 
 def _tok(text: Callable[[int], str], t: int, logprob: float | None) -> dict:

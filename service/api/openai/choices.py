@@ -1,5 +1,4 @@
-"""What a completion or chat choice is made of, by vLLM's rules: the first generated token's
-text (a stop token's is dropped, special tokens skipped unless asked), finish_reason and
+"""A completion or chat choice by vLLM's rules: the first token's text, finish_reason and
 stop_reason, and the prompt logprobs keyed by token id."""
 
 from __future__ import annotations
@@ -7,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from service.api.schemas import PromptLogprob
+from service.api.openai.schemas import PromptLogprob
 from service.engine.interface import PromptResult
 from service.model.tokenizer import TextTokenizer
 
@@ -18,8 +17,7 @@ PREFILL_ONLY = "this is a prefill service: it computes the prompt and at most it
 
 
 def token_namer(tok: TextTokenizer, as_ids: bool) -> Callable[[int], str]:
-    """How logprobs name a token: its text, or vLLM's `token_id:N`
-    (return_tokens_as_token_ids)."""
+    """How logprobs name a token: its text, or `token_id:N` (return_tokens_as_token_ids)."""
     return (lambda t: f"token_id:{t}") if as_ids else tok.token_text
 
 
@@ -48,8 +46,7 @@ def outcome(tok: TextTokenizer, body: Any, gen: int | None) -> Outcome:
 
 def prompt_logprobs_by_id(state: AppState, ids: list[int], res: PromptResult, k: int,
                      named: tuple[int, ...]) -> list[dict[str, PromptLogprob] | None]:
-    """vLLM's prompt_logprobs: per prompt token (the first has none) its logprob and rank, and
-    the top `k` alternatives (or the named tokens), keyed by token id."""
+    """vLLM's prompt_logprobs: per prompt token but the first, its logprob, rank and top `k`."""
     text = state.tokenizer.token_text
     out: list[dict[str, PromptLogprob] | None] = [None]
     for p in res.prompt_logprobs or []:

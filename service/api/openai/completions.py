@@ -7,29 +7,97 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
 
 from service.api.bodies import FastJSONRoute
-from service.api.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.deps import State, json_answer, logprob_count, require_api_key
 from service.api.errors import BadInput
-from service.api.fields import sampling_params
-from service.api.prompts import check_ids, encode_texts, named_ids, run_prompts, tokenized
-from service.api.schemas import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionUsage,
-    PromptTokensDetails,
+from service.api.openai.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
+from service.api.openai.schemas import CompletionUsage, PromptLogprob
+from service.api.prompts import (
+    check_ids,
+    encode_texts,
+    named_ids,
+    run_prompts,
+    sampling_params,
+    tokenized,
 )
+from service.api.schemas import PromptTokensDetails, Sampling, Text, TokenIds
 from service.api.state import AppState
-from service.engine.interface import PositionLogprobs, PromptResult
+from service.engine.interface import (
+    MAX_INT32,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PositionLogprobs,
+    PromptResult,
+)
 
 router = APIRouter(prefix="/v1", tags=["completions"], dependencies=[Depends(require_api_key)],
                    route_class=FastJSONRoute)
+
+
+class CompletionRequest(Sampling):
+    """The OpenAI legacy completions request, limited to what one prefill can answer."""
+
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
+                                   description="0 or 1 (default 1) in this service.")
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
+                                              description="max_tokens when that is unset.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "vLLM's: per choice, each prompt token's logprob and rank with this many alternatives, "
+        "keyed by token id."))
+    return_token_ids: bool = False
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    logprob_token_ids: TokenIds | None = Field(
+        None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+            "An extension (vLLM's name): with logprobs set, each position's top_logprobs lists "
+            "these tokens, whatever their rank, instead of the most likely ones."))
+    echo: bool = False
+    n: int = Field(1, ge=1, le=MAX_INT32)
+    best_of: int | None = Field(None, ge=1, le=MAX_INT32)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: Text | list[Text] | None = None
+    suffix: Text | None = None
+    user: Text | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["length", "stop"]
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    kv_transfer_params: dict[str, Any] | None = None  # no KV transfer here (vLLM's answer)
 
 
 def check_supported(body: CompletionRequest) -> int:

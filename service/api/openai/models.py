@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Depends
+from pydantic import BaseModel
 
 from service.api.deps import State, require_api_key
 from service.api.prompts import require_ready
-from service.api.schemas import ModelCard, ModelList
 
 router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_api_key)])
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "triton-prefill"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 @router.get("/models", response_model=ModelList)

@@ -1,18 +1,18 @@
-"""vLLM's tokenizer routes: POST /tokenize and /detokenize, GET /tokenizer_info, at the root
-(where lm-eval's remote tokenizer calls them) and under /v1/. They use the API worker's own
-tokenizer, never the engine; they answer once the engine has reported the model's limits.
-As vLLM's /tokenize, it returns every token; long texts and answers go a piece at a time."""
+"""vLLM's tokenizer routes (/tokenize, /detokenize, /tokenizer_info), at the root (lm-eval calls
+them there) and under /v1/: the worker's own tokenizer, once the engine has reported the model's
+limits; every token returned, as vLLM does, long texts and answers a piece at a time."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from service.api.bodies import FastJSONRoute, parse_body
-from service.api.chat_template import generation_prompt, render
 from service.api.deps import (
     JSON_PIECE,
     State,
@@ -23,14 +23,10 @@ from service.api.deps import (
     require_api_key,
 )
 from service.api.errors import BadInput
+from service.api.openai.chat_template import generation_prompt, render
+from service.api.openai.schemas import ChatMessage
 from service.api.prompts import check_model, check_vocab, off_loop
-from service.api.schemas_tokenizer import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-    TokenizerInfoResponse,
-)
+from service.api.schemas import Body, Text, TokenIds
 from service.api.state import AppState
 from service.engine.interface import NotReady
 from service.model.text_pieces import RunTooLong
@@ -39,10 +35,79 @@ from service.model.tokenizer_export import tokenizer_config
 router = APIRouter(tags=["tokenizer"], dependencies=[Depends(require_api_key)],
                    route_class=FastJSONRoute)
 
+# fields of the chat form only (vLLM's TokenizeChatRequest)
+CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+               "tools")
+
+
+class TokenizeRequest(Body):
+    """One of `prompt` (vLLM's TokenizeCompletionRequest) or `messages` (TokenizeChatRequest)."""
+
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description=(
+        "A chat, rendered with the model's own chat template, then tokenized."))
+    add_special_tokens: bool | None = Field(None, description=(
+        "Add the special tokens the model's tokenizer adds (a BOS, when it adds one). Default: "
+        "true for prompt, false for messages (the chat template writes its own)."))
+    return_token_strs: bool | None = Field(False, description=(
+        "Also return each token's vocabulary entry (`token_strs`)."))
+    add_generation_prompt: bool | None = Field(None, description=(
+        "Default: true, false with continue_final_message."))
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
+        "Extra variables for the chat template."))
+    tools: list[dict[str, Any]] | None = Field(None, description="Given to the template.")
+
+    @field_validator(*CHAT_FIELDS)
+    @classmethod
+    def _chat_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and info.data.get("prompt") is not None:  # prompt is validated first
+            raise ValueError("applies to messages (the chat form); this request has prompt")
+        return v
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt (text) or messages (a chat)"
+                             + (" (got both)" if self.prompt is not None else ""))
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int  # the longest prompt this server takes
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Body):
+    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's tokenizer_config.json, as `python -m service.tokenizer export` writes it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    add_bos_token: bool = False
+    add_eos_token: bool = False
+    model_max_length: int
+    clean_up_tokenization_spaces: bool = False
+    chat_template: str | None = None
+
 
 def max_model_len(state: AppState) -> int:
-    """The longest prompt this server takes (MAX_PROMPT_TOKENS, the model's context, the KV
-    pool), known once the engine has loaded the model."""
+    """The longest prompt served, known once the engine has loaded the model."""
     if state.engine.info is None:
         raise NotReady(f"engine is {state.engine.state}: the model's limits are not known yet")
     return state.max_prompt_tokens
