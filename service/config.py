@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.host import cuda_requirement, usable_cpus
 from service.model import quant
 from service.model.config import model_name
+from service.model.families import PRESETS, gguf_archs, supported
 
 
 class ConfigError(Exception):
@@ -38,12 +39,11 @@ class Settings(BaseSettings):
         "reserve for activations, the eager path and logits."))
     model_path: str | None = Field(None, **_shown("embedded SmolLM2-135M-Instruct (Q4_1 GGUF)"),
                                    description=(
-        "A Hugging Face checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`; "
-        "Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3, Gemma 3) or a `.gguf` file of llama.cpp's "
-        "`llama` or `qwen3` architecture."))
+        "A Hugging Face checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`) "
+        f"of {supported()}; or a `.gguf` file of llama.cpp's "
+        f"{' or '.join(f'`{a}`' for a in gguf_archs())} architecture."))
     model_preset: str | None = Field(None, description=(
-        "Random weights of a real shape (`smollm2-135m`, `llama-3.2-1b`, `llama-3.1-8b`, "
-        "`qwen2.5-0.5b`, `qwen3-0.6b`, `qwen3-8b`, `gemma-3-270m`, `gemma-3-1b`) with "
+        f"Random weights of a real shape ({', '.join(f'`{p}`' for p in PRESETS)}) with "
         "MODEL_PATH's tokenizer: for benchmarks."))
     served_model_name: str | None = Field(None, **_shown("the file or directory name"),
                                           description=(
@@ -177,8 +177,6 @@ class Settings(BaseSettings):
     def _preset(cls, v: str | None) -> str | None:
         if v is None or not v.strip():
             return None
-        from service.model.families import PRESETS
-
         if v not in PRESETS:
             raise ValueError(f"unknown preset; known: {', '.join(PRESETS)}")
         return v
@@ -203,54 +201,64 @@ def _explain(err: ValidationError) -> str:
     return "invalid configuration: " + "; ".join(lines)
 
 
-@dataclass(frozen=True)
+def _settings_defaults(*resolved: str) -> Any:
+    """A frozen dataclass whose fields but `resolved` default to the setting of the same name."""
+    def wrap(cls: type) -> type:
+        for name in cls.__annotations__:
+            if name not in resolved:
+                setattr(cls, name, Settings.model_fields[name].default)
+        return dataclass(frozen=True)(cls)
+    return wrap
+
+
+@_settings_defaults("device", "dtype")
 class EngineConfig:
     """What the engine needs, resolved: every field is the setting of the same name."""
 
-    device: str  # "cuda" | "cpu"
-    dtype: str  # "bfloat16" | "float16" | "float32"
-    model_path: str | None = None
-    model_preset: str | None = None
-    mem_fraction_static: float = 0.85
-    max_prefill_tokens: int = 8192
-    max_prompt_tokens: int = 32768
-    max_queue_requests: int = 256
-    max_batch_prompts: int = 256
-    page_size: int = 16
-    prefix_cache: bool = True
-    kv_cache_bytes: int | None = None
-    cuda_graph_max_tokens: int = 8192  # 0 off CUDA
-    cuda_graph_buckets: tuple[int, ...] | None = None
-    cuda_graph_full_max_tokens: int = 1024
-    cuda_graph_full_max_seqs: int = 8
-    fold_norms: bool = True
-    quantization: str = "none"  # a name quant.settings() lists
-    attention_hopper_kernel: bool = True
-    cpu_threads: int = 0  # 0: leave torch's own choice
+    device: Literal["cuda", "cpu"]
+    dtype: Literal["bfloat16", "float16", "float32"]
+    model_path: str | None
+    model_preset: str | None
+    mem_fraction_static: float
+    max_prefill_tokens: int
+    max_prompt_tokens: int
+    max_queue_requests: int
+    max_batch_prompts: int
+    page_size: int
+    prefix_cache: bool
+    kv_cache_bytes: int | None
+    cuda_graph_max_tokens: int
+    cuda_graph_buckets: tuple[int, ...] | None
+    cuda_graph_full_max_tokens: int
+    cuda_graph_full_max_seqs: int
+    fold_norms: bool
+    quantization: str
+    attention_hopper_kernel: bool
+    cpu_threads: int  # 0: leave torch's own choice
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
 
 
-@dataclass(frozen=True)
+@_settings_defaults("served_model_name", "api_workers")
 class ServerConfig:
     """What the HTTP server needs: every field is the setting of the same name."""
 
     served_model_name: str
-    api_workers: int = 1
-    host: str = "0.0.0.0"
-    port: int = 8000
-    admin_port: int = 8001  # 0: none
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_header_bytes: int = 64 << 10
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    max_connections: int = 2048
-    drain_timeout_s: float = 30.0
-    request_timeout_s: float = 600.0
-    log_level: str = "info"
-    access_log: bool = True
+    api_workers: int
+    host: str
+    port: int
+    admin_port: int  # 0: none
+    api_key: str | None
+    max_body_bytes: int
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    drain_timeout_s: float
+    request_timeout_s: float
+    log_level: str
+    access_log: bool
 
 
 def _from(cls: type, settings: Settings, **resolved: Any) -> Any:
@@ -260,9 +268,8 @@ def _from(cls: type, settings: Settings, **resolved: Any) -> Any:
     return cls(**{**values, **resolved})
 
 
-# Parallelism variables people carry over from SGLang and vLLM: a pod runs one engine on one
-# device (service/engine/dp.py serves the benchmarks only), so any value but 1 is refused
-# rather than ignored.
+# SGLang's and vLLM's parallelism variables: a pod runs one engine on one device, so any value
+# but 1 is refused rather than ignored (service/engine/dp.py serves the benchmarks only)
 ONE_ENGINE_VARIABLES = ("DP_SIZE", "TP_SIZE", "DATA_PARALLEL_SIZE", "TENSOR_PARALLEL_SIZE")
 
 
@@ -308,14 +315,12 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
 
 
 def api_workers(settings: Settings) -> int:
-    """API_WORKERS, or from the CPU count where it is 0 (the supervisor binds a socket for each
-    before `resolve`)."""
+    """API_WORKERS, or from the CPU count where it is 0."""
     return settings.api_workers or auto_api_workers(usable_cpus())
 
 
 def auto_api_workers(cpus: int) -> int:
-    """Two CPUs for the engine process, two per worker (its event loop and the kernel's network
-    work), at most eight: beyond that one engine is the limit, not HTTP."""
+    """Two CPUs for the engine, two per worker, at most eight: beyond, one engine is the limit."""
     return max(1, min(8, (cpus - 2) // 2))
 
 

@@ -20,8 +20,7 @@ def setup_logging(level: str) -> None:
 
 
 def setup_child(level: str, name: str) -> None:
-    """A child of the supervisor: logs; SIGINT (Ctrl-C hits the whole group) left to the
-    supervisor's ordered shutdown; exit when the parent is gone."""
+    """Logs; SIGINT (it hits the whole group) left to the supervisor; exit when it is gone."""
     setup_logging(level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -29,8 +28,7 @@ def setup_child(level: str, name: str) -> None:
     assert parent is not None, "setup_child runs in a process the supervisor started"
 
     def watch() -> None:
-        # NOTE: the parent's sentinel, not getppid(): a parent that died before this line would
-        # leave getppid() at 1 for good
+        # NOTE: the parent's sentinel: getppid() stays 1 if the parent died before this line
         parent.join()
         logging.getLogger(name).error("the supervisor is gone: exiting")
         exit_now(1)
@@ -39,12 +37,10 @@ def setup_child(level: str, name: str) -> None:
 
 
 def freeze_heap() -> None:
-    """Move what start-up built (modules, the model's Python objects) out of the garbage
-    collector's sight: full collections then walk only what requests allocate."""
+    """Freeze start-up's objects: full collections then walk only what requests allocate."""
     gc.collect()
     gc.freeze()
-    # NOTE: automatic full collections wait for new long-lived objects to reach a quarter of the
-    # last one's survivors (here, the frozen heap): collecting the emptied heap resets that to 0
+    # NOTE: resets the next full collection's threshold (a quarter of the last's survivors)
     gc.collect()
 
 

@@ -1,7 +1,5 @@
-"""`python -m service.tokenizer export DIR`: the served model's tokenizer (MODEL_PATH, else the
-embedded SmolLM2) as a Hugging Face tokenizer directory, for clients that tokenize locally
-(transformers' AutoTokenizer, lm-eval's `tokenizer=DIR`). The running service answers the same
-questions over HTTP at /tokenize, /detokenize and /tokenizer_info."""
+"""`python -m service.tokenizer export DIR`: the served model's tokenizer as a Hugging Face
+tokenizer directory, for clients that tokenize locally (AutoTokenizer, lm-eval)."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ from service.model.tokenizer_export import export_tokenizer
 
 
 def context_length(path: Path) -> int:
-    """The model's longest input (config.json's max_position_embeddings, the GGUF's
-    context_length): the directory's `model_max_length`."""
+    """The model's longest input: the directory's `model_max_length`."""
     if path.is_dir() and (path / "config.json").is_file():
         return read_hf_config(path)[0].max_position_embeddings
     if path.is_dir():

@@ -17,6 +17,7 @@ from service.config import (
     resolve,
     settings_table,
 )
+from service.model.families import FAMILIES, PRESETS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -60,6 +61,17 @@ def test_every_config_field_is_a_setting_and_every_setting_reaches_a_config():
     assert engine | server == set(Settings.model_fields) and not engine & server
 
 
+@pytest.mark.parametrize("cls", [EngineConfig, ServerConfig])
+def test_config_defaults_are_the_settings_defaults(cls):
+    """Defaults are written once, in Settings; fields resolved from "auto" or the host have none."""
+    resolved = {"device", "dtype", "served_model_name", "api_workers"}
+    for f in dataclasses.fields(cls):
+        if f.name in resolved:
+            assert f.default is dataclasses.MISSING, f.name
+        else:
+            assert f.default == Settings.model_fields[f.name].default, f.name
+
+
 def test_values_come_from_the_settings_by_name():
     env = {"PAGE_SIZE": "32", "MAX_QUEUE_REQUESTS": "7", "ACCESS_LOG": "false",
            "HEADER_TIMEOUT_S": "2.5", "CUDA_GRAPH_BUCKETS": "64,16", "CPU_THREADS": "3",
@@ -79,3 +91,25 @@ def test_the_readme_settings_table_is_the_generated_one():
     assert block.group(0).rstrip("\n") == settings_table(), (
         "README.md's settings table differs from the settings: paste "
         "`python -m service.config` over it")
+
+
+def test_model_help_names_every_family_and_preset():
+    """MODEL_PATH's and MODEL_PRESET's help (and so the README's table) follow the registry."""
+    path = Settings.model_fields["model_path"].description
+    assert all(a in path for f in FAMILIES.values() for a in f.architectures)
+    assert all(f"`{f.gguf_arch}`" in path for f in FAMILIES.values() if f.gguf_arch)
+    preset = Settings.model_fields["model_preset"].description
+    assert all(f"`{p}`" in preset for p in PRESETS)
+
+
+def test_the_readme_models_table_has_a_row_per_family():
+    table = re.search(r"\| family \| checkpoints \| formats \| checked against \|\n\|.*\|\n"
+                      r"((?:\|.*\|\n)+)", README.read_text())
+    assert table, "README.md has no models table"
+    rows = [r.split(" | ") for r in table.group(1).splitlines()]
+    assert len(rows) == len(FAMILIES), "README.md's models table: one row per family"
+    for f in FAMILIES.values():
+        row = next((r for r in rows if f"`{f.architectures[0]}`" in r[1]), None)
+        assert row, f"README.md's models table has no row for {f.name}"
+        assert all(f"`{a}`" in row[1] for a in f.architectures), f.name
+        assert (f"GGUF `{f.gguf_arch}`" in row[2]) == bool(f.gguf_arch), f.name

@@ -1,6 +1,5 @@
-"""The attention seam: KV store + extend attention over the paged prefix, one call per layer.
-
-Its work depends on sequence lengths, so it runs between graphs; a plan binds a batch once."""
+"""The attention seam: KV store + extend attention over the paged prefix, one call per layer,
+between graphs (its work depends on sequence lengths); a plan binds a batch once."""
 
 from __future__ import annotations
 
@@ -119,6 +118,5 @@ class AttentionBackend:
 
 
 Launch = Callable[[torch.Tensor, torch.Tensor], None]
-# A prepared break: call it with a layer index (attention with the KV store fused; on Hopper at
-# head_dim 128 the store is a launch of its own).
+# A prepared break: attention (with the KV store, fused or not) of the layer it is called with
 BreakPlan = Callable[[int], None]

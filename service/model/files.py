@@ -1,6 +1,4 @@
-"""A checkpoint's files, read without torch: where the model is, its config, its tokenizer.
-
-API workers load the tokenizer through here; the engine loads weights through `loader`."""
+"""A checkpoint's files read without torch (API workers load the tokenizer through here)."""
 
 from __future__ import annotations
 

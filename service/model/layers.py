@@ -1,8 +1,5 @@
-"""The decoder's building blocks: RMSNorm and the gated MLP over two projections.
-
-Optional `out`/`scratch`/`qin` buffers let a captured graph step allocate nothing. A projection
-(service/model/quant/) says how it reads its input: the norm or activation before it writes
-that input in its own launch (`Projection.normed`, `Projection.gated`), quantized or not."""
+"""RMSNorm and the gated MLP; `out`/`scratch`/`qin` buffers let a graph step allocate nothing,
+and each projection's `normed`/`gated` write its input in the norm's or activation's launch."""
 
 from __future__ import annotations
 
@@ -47,9 +44,7 @@ def gated_mlp(x: Rows, gate_up: Projection, down: Projection, use_triton: bool,
               out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
               norm_eps: float | None = None, activation: str = "silu",
               qin: Scratch | None = None) -> torch.Tensor:
-    """down(act(gate) * up), chunked to `scratch`'s rows; `norm_eps`: x += mlp(norm(x)).
-    x: rows, or gate_up's input as `normed` returned it; `qin`: where down's input goes (a
-    chunk's rows)."""
+    """down(act(gate) * up) of x (or `normed` rows), chunked; `norm_eps`: x += mlp(norm(x))."""
     rows = x.shape[0]
     assert norm_eps is None or out is x, "a folded-norm MLP adds into the residual it reads"
     if scratch is None or scratch.shape[0] >= rows:

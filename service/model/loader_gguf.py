@@ -1,5 +1,4 @@
-"""Load a GGUF of a family that declares llama.cpp's name for it (llama, qwen3): dequantize with
-`gguf`, undo the Q/K row permutation llama.cpp applies to its llama architecture."""
+"""A GGUF of a family that names its llama.cpp architecture, dequantized, Q/K rows unpermuted."""
 
 from __future__ import annotations
 
@@ -10,21 +9,17 @@ import torch
 
 from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
-from service.model.families import family, family_for_gguf
+from service.model.families import Family, family, family_for_gguf
 
-_LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
+# GGUF blk.N.<name> -> the decoder's slot, which the family names
+_SLOTS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "q", "attn_k": "k",
+          "attn_v": "v", "attn_output": "o", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+          "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+
+
+def _layer_names(fam: Family) -> dict[str, str]:
+    theirs = {**fam.norms, **fam.qk_norms, **fam.projections}
+    return {f"{g}.weight": f"{theirs[s]}.weight" for g, s in _SLOTS.items() if s in theirs}
 
 
 ROPE_FREQS = "rope_freqs.weight"  # in gguf_tensors' output: per-pair RoPE frequency divisors
@@ -86,7 +81,8 @@ def gguf_tensors(reader, cfg: ModelConfig, where: str) -> tuple[dict[str, torch.
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    permuted = family(cfg.arch).gguf_permuted_qk
+    fam = family(cfg.arch)
+    names, pre, permuted = _layer_names(fam), fam.prefixes[0], fam.gguf_permuted_qk
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
@@ -102,9 +98,9 @@ def gguf_tensors(reader, cfg: ModelConfig, where: str) -> tuple[dict[str, torch.
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 data is mmap-ed
         name = t.name
         if name == "token_embd.weight":
-            out["model.embed_tokens.weight"] = w
+            out[pre + "embed_tokens.weight"] = w
         elif name == "output_norm.weight":
-            out["model.norm.weight"] = w
+            out[pre + "norm.weight"] = w
         elif name == "output.weight":
             out["lm_head.weight"] = w
         elif name == "rope_freqs.weight" and not bool((w == 1).all()):
@@ -112,11 +108,11 @@ def gguf_tensors(reader, cfg: ModelConfig, where: str) -> tuple[dict[str, torch.
             out[ROPE_FREQS] = w
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest not in _LAYER_NAMES:
+            if rest not in names:
                 continue
             if permuted and rest == "attn_q.weight":
                 w = unpermute_qk(w, cfg.num_heads)
             elif permuted and rest == "attn_k.weight":
                 w = unpermute_qk(w, cfg.num_kv_heads)
-            out[f"model.layers.{idx}.{_LAYER_NAMES[rest]}"] = w
+            out[f"{pre}layers.{idx}.{names[rest]}"] = w
     return out, "lm_head.weight" not in out

@@ -56,7 +56,7 @@ class ForwardMeta:
     page_table: torch.Tensor  # (B, max_pages) int32: page ids covering prefix + new tokens
     slot_mapping: torch.Tensor  # (T_padded,) int64: KV slot per token; padding -> slot 0
     logits_indices: torch.Tensor  # (N,) int64: token rows whose logits are computed
-    q_lens: tuple[int, ...]  # new tokens per sequence
+    q_lens: tuple[int, ...]
     prefix_lens_host: tuple[int, ...]
     kv: KVCache
 

@@ -36,8 +36,7 @@ def cut_at(text: str, pos: int, end: int, added: Sequence[str]) -> int | None:
 
 
 def text_pieces(text: str, added: Sequence[str], exact: bool = True) -> Iterator[str]:
-    """`text` in pieces of about PIECE_CHARS; RUN_CHARS without a cut raise RunTooLong, or with
-    `exact` false (counting tokens) are cut anywhere."""
+    """`text` in pieces of about PIECE_CHARS; RunTooLong past RUN_CHARS uncut unless not `exact`."""
     start = 0
     while len(text) - start > PIECE_CHARS:
         c = cut_at(text, start + PIECE_CHARS, start + RUN_CHARS, added)
@@ -71,8 +70,7 @@ def _joins(ids: np.ndarray, c: int, decode: Callable[[list[int]], str]) -> bool:
 
 
 def id_pieces(ids: np.ndarray, decode: Callable[[list[int]], str]) -> Iterator[np.ndarray]:
-    """`ids` in pieces of about PIECE_IDS, cut where the text of the ids around is the two
-    sides' texts joined (no character or decoder rule straddles the cut)."""
+    """`ids` in pieces of about PIECE_IDS, cut where no character or decoder rule straddles."""
     start = 0
     while len(ids) - start > PIECE_IDS:
         first = start + PIECE_IDS

@@ -46,8 +46,7 @@ _SPLITS = {_GPT2_SPLIT, _LLAMA3_SPLIT, _QWEN2_SPLIT}
 
 
 def cuts_exact(spec: dict[str, Any]) -> bool:
-    """Whether text_pieces' cuts keep a tokenizer.json exact: BPE after Digits and our splits,
-    ByteLevel, Unicode normalization at most, added tokens that strip no space around them."""
+    """Whether text_pieces' cuts keep a tokenizer.json exact (BPE, ByteLevel, our splits)."""
     norm = spec.get("normalizer") or {"normalizers": []}
     pre = spec.get("pre_tokenizer") or {}
     *first, last = pre.get("pretokenizers", [pre])
@@ -67,8 +66,7 @@ def cuts_exact(spec: dict[str, Any]) -> bool:
 
 
 class TextTokenizer:
-    """`chat_template`: the model's own Jinja template (tokenizer_config.json, or the GGUF's
-    `tokenizer.chat_template`), None when it has none. Long texts go in pieces where exact."""
+    """`chat_template`: the model's own Jinja template or None; long texts go in pieces."""
 
     def __init__(self, tok: Tokenizer, bos_id: int | None, eos_id: int | None,
                  add_bos: bool = False, pad_id: int | None = None,
@@ -119,23 +117,21 @@ class TextTokenizer:
 
     def encode_within(self, text: str, limit: int, add_special: bool = True
                       ) -> list[int] | None:
-        """`encode(text)`, or None once it surely has more than `limit` tokens (by its size alone,
-        or after about `limit` tokens of work)."""
+        """`encode(text)`, or None once it surely has more than `limit` tokens."""
         if self._surely_over(text, limit):
             return None
         if self.splittable or len(text) > PIECE_CHARS:
             ids: list[int] = []
             for k, piece in enumerate(text_pieces(text, self._added, self.splittable)):
                 if len(ids) > limit + (0 if self.splittable else PIECE_SLACK * k):
-                    return None  # and there is more
+                    return None
                 ids += self._ids(piece)
             if self.splittable:
                 return self._bos(add_special) + ids
         return self.encode(text, add_special)
 
     def _surely_over(self, text: str, limit: int) -> bool:
-        """Whether `text` has more bytes than `limit` tokens spell (a character spells one at
-        least unless dropped, and its share of them)."""
+        """Whether `text` has more bytes than `limit` tokens spell."""
         if self._coverage is None or self.max_token_bytes is None:
             return False
         dropped, share = self._coverage
@@ -144,8 +140,7 @@ class TextTokenizer:
             text.encode("utf-8", "surrogatepass")) - lost > most
 
     def encode_tail(self, text: str, keep: int, add_special: bool = True) -> list[int]:
-        """encode(text)[-keep:], from tails of the text that grow until two end in the same `keep`
-        tokens (a tail's start changes only its first tokens), else from the whole."""
+        """encode(text)[-keep:], from tails that grow until two end in the same `keep` tokens."""
         last = None
         for start in tail_starts(text, TAIL_CHARS * keep + 64, self._added):
             if start == 0:
@@ -211,8 +206,7 @@ def _token_name(value: object) -> str | None:
 
 
 def _hf_chat_template(model_dir: Path, tc: dict[str, Any]) -> str | None:
-    """transformers' order: chat_template.jinja beside the tokenizer, then tokenizer_config's
-    `chat_template` (a string, or named templates of which "default" is used)."""
+    """transformers' order: chat_template.jinja, then tokenizer_config's (or its "default")."""
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
@@ -238,8 +232,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _coverage(vocab: dict[str, int]) -> tuple[str, float] | None:
-    """BPE drops a byte no token spells: the ASCII characters so dropped and the least share of
-    a longer character's bytes still spelled; None if a continuation byte is dropped."""
+    """ASCII characters BPE drops and the least share of a longer one's bytes it keeps; None if
+    it drops a continuation byte."""
     dropped, share = "", 1.0
     for b, ch in _bytes_to_unicode().items():
         if ch in vocab or b in (0xC0, 0xC1) or b >= 0xF5:  # the last: never in UTF-8

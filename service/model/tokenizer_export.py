@@ -1,8 +1,5 @@
-"""A TextTokenizer as a Hugging Face tokenizer directory: `tokenizer.json`,
-`tokenizer_config.json` (special tokens, BOS rule, length, chat template) and
-`special_tokens_map.json`, which transformers' AutoTokenizer loads to encode as the service does.
-
-`tokenizer_config` is also what GET /tokenizer_info answers (vLLM's answers with the config)."""
+"""A TextTokenizer as a Hugging Face tokenizer directory that AutoTokenizer loads to encode as
+the service does; `tokenizer_config` is also GET /tokenizer_info's answer, as vLLM's."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ def _special_tokens(tok: TextTokenizer) -> dict[str, str | None]:
 
 
 def tokenizer_config(tok: TextTokenizer, model_max_length: int) -> dict[str, Any]:
-    """tokenizer_config.json: the special tokens by their text, whether encoding adds a BOS, the
-    longest input, and the model's chat template when it has one."""
+    """tokenizer_config.json: special tokens, BOS rule, longest input, chat template."""
     config: dict[str, Any] = {
         "tokenizer_class": TOKENIZER_CLASS,
         **_special_tokens(tok),
@@ -45,8 +41,7 @@ def special_tokens_map(tok: TextTokenizer) -> dict[str, str]:
 
 
 def tokenizer_json(tok: TextTokenizer) -> str:
-    """tokenizer.json whose post-processor adds what `tok.encode` adds: the BOS, or nothing.
-    (A GGUF-built tokenizer has no post-processor; `encode` prepends the BOS itself.)"""
+    """tokenizer.json whose post-processor adds what `tok.encode` adds: the BOS, or nothing."""
     out = Tokenizer.from_str(tok.tok.to_str())
     bos = tok.token_str(tok.bos_id)
     want = [tok.bos_id] if tok.add_bos and bos is not None else []

@@ -1,5 +1,4 @@
-"""Copy a checkpoint's state dict (Hugging Face names) into the decoder's fused modules, by the
-family's name mapping, checking every shape."""
+"""Copy a checkpoint's tensors, named as its family says, into the decoder's fused modules."""
 
 from __future__ import annotations
 
@@ -34,9 +33,7 @@ def _prefix(fam: Family, tensors: Mapping[str, torch.Tensor], where: str) -> str
 @torch.no_grad()
 def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], where: str,
                   scheme: Scheme | None = None) -> None:
-    """`tensors` use the checkpoint's names (model.layers.N.self_attn.q_proj.weight, ...);
-    with a checkpoint's `scheme` the projections it covers are its own, as the checkpoint has
-    them."""
+    """With a checkpoint's `scheme`, the projections it covers load as the checkpoint has them."""
     c = model.cfg
     fam = family(c.arch)
     h, f, qs, kvs, d = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.head_dim
@@ -74,17 +71,15 @@ def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], wher
         p = f"{pre}layers.{i}."
         for ours, theirs in fam.norms.items():
             put_norm(getattr(layer, ours).weight, f"{p}{theirs}.weight", h)
-        a = p + "self_attn."
-        qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
+        n = {slot: p + theirs for slot, theirs in fam.projections.items()}
+        qkv = [n["q"], n["k"], n["v"]]
         projection(layer, "qkv_proj", qkv, [(qs, h), (kvs, h), (kvs, h)],
                    qkv if c.qkv_bias else None)
-        if c.qk_norm:
-            put_norm(layer.q_norm.weight, a + "q_norm.weight", d)
-            put_norm(layer.k_norm.weight, a + "k_norm.weight", d)
-        projection(layer, "o_proj", [a + "o_proj"], [(h, qs)])
-        m = p + "mlp."
-        projection(layer.mlp, "gate_up_proj", [m + "gate_proj", m + "up_proj"], [(f, h), (f, h)])
-        projection(layer.mlp, "down_proj", [m + "down_proj"], [(h, f)])
+        for ours, theirs in fam.qk_norms.items() if c.qk_norm else ():
+            put_norm(getattr(layer, ours).weight, f"{p}{theirs}.weight", d)
+        projection(layer, "o_proj", [n["o"]], [(h, qs)])
+        projection(layer.mlp, "gate_up_proj", [n["gate"], n["up"]], [(f, h), (f, h)])
+        projection(layer.mlp, "down_proj", [n["down"]], [(h, f)])
     put_norm(model.norm.weight, pre + "norm.weight", h)
     if model.lm_head is not None:
         put(model.lm_head.weight, _take(tensors, "lm_head.weight", (c.vocab_size, h), where))

@@ -1,7 +1,5 @@
-"""The architecture registry: one module per family declares how its checkpoints map onto a
-ModelConfig and onto the decoder's weights. The engine never sees a family, only the decoder.
-
-A new family is a module here (its `FAMILY`), listed in `_modules`, and its parity tests."""
+"""The architecture registry: a family (a module here listed in `_modules`, or `register()`ed)
+maps its checkpoints onto a ModelConfig and the decoder's weights; the engine never sees one."""
 
 from __future__ import annotations
 
@@ -18,11 +16,26 @@ def _modules() -> list[Family]:
     return [llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY]
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in _modules()}
-PRESETS: dict[str, dict[str, Any]] = {
-    name: {"arch": f.name, **f.traits, **shape}
-    for f in FAMILIES.values() for name, shape in f.presets.items()
-}
+FAMILIES: dict[str, Family] = {}
+PRESETS: dict[str, dict[str, Any]] = {}
+
+
+def register(f: Family) -> None:
+    """Serve family `f` (one defined outside this package) and its presets."""
+    unregister(f.name)
+    FAMILIES[f.name] = f
+    PRESETS.update({name: {"arch": f.name, **f.traits, **shape}
+                    for name, shape in f.presets.items()})
+
+
+def unregister(name: str) -> None:
+    f = FAMILIES.pop(name, None)
+    for p in f.presets if f else ():
+        PRESETS.pop(p, None)
+
+
+for _f in _modules():
+    register(_f)
 
 
 def family(name: str) -> Family:
@@ -31,6 +44,10 @@ def family(name: str) -> Family:
 
 def supported() -> str:
     return "; ".join(f"{', '.join(f.architectures)} ({f.describe})" for f in FAMILIES.values())
+
+
+def gguf_archs() -> list[str]:
+    return [f.gguf_arch for f in FAMILIES.values() if f.gguf_arch]
 
 
 def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
@@ -49,9 +66,8 @@ def family_for_gguf(arch: Any, where: str) -> Family:
     for f in FAMILIES.values():
         if f.gguf_arch is not None and f.gguf_arch == arch:
             return f
-    known = ", ".join(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch)
     raise UnsupportedArchitecture(
-        f"{where}: unsupported GGUF architecture {arch!r}; supported: {known}")
+        f"{where}: unsupported GGUF architecture {arch!r}; supported: {', '.join(gguf_archs())}")
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

@@ -8,8 +8,12 @@ from typing import Any
 
 from service.model.config import HFConfig, ModelConfig
 
-# The decoder's norms, named as most families' checkpoints name them (layer-relative)
+# The decoder's norms and projection slots, named as Llama's checkpoints name them (layer-relative)
 LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+LLAMA_QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+LLAMA_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                     "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                     "down": "mlp.down_proj"}
 
 
 @dataclass(frozen=True)
@@ -18,18 +22,22 @@ class Family:
     architectures: tuple[str, ...]  # config.json `architectures` entries this family serves
     model_types: tuple[str, ...]  # config.json `model_type` values (when architectures is absent)
     describe: str  # the checkpoints it covers, for error messages and the README
-    # ModelConfig fields of a config.json, `traits` aside (the registry adds them)
     from_hf: Callable[[HFConfig], dict[str, Any]]
-    # config.json fields of a checkpoint of this shape, architectures and model_type aside (the
-    # registry adds them): transformers' twin in tests and benchmarks
+    # config.json fields of this shape but architectures and model_type: transformers' twin in tests
     to_hf: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: base_hf(cfg)
     norms: dict[str, str] = field(default_factory=lambda: dict(LLAMA_NORMS))
+    qk_norms: dict[str, str] = field(default_factory=lambda: dict(LLAMA_QK_NORMS))
+    projections: dict[str, str] = field(default_factory=lambda: dict(LLAMA_PROJECTIONS))
     norm_offset: float = 0.0  # checkpoint norm weights w scale by (norm_offset + w)
     prefixes: tuple[str, ...] = ("model.",)  # where the decoder's tensors sit in the checkpoint
     gguf_arch: str | None = None  # llama.cpp's name for it; None: no GGUF loading
     gguf_permuted_qk: bool = False  # llama.cpp stores Q/K rows interleaved (its llama arch)
     traits: dict[str, Any] = field(default_factory=dict)  # fixed ModelConfig fields (GGUF too)
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert set(self.projections) == set(LLAMA_PROJECTIONS), (
+            f"family {self.name}: projections must name {', '.join(LLAMA_PROJECTIONS)}")
 
 
 def base_hf(cfg: ModelConfig) -> dict[str, Any]:

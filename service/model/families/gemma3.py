@@ -1,7 +1,5 @@
-"""Gemma 3 (text): sliding-window local layers (five local to one global) with their own RoPE
-base, QK-norm, (1 + w) RMSNorm before and after attention and MLP, a GeLU-tanh gated MLP,
-embeddings scaled by √hidden, softmax scale query_pre_attn_scalar ** -0.5. The text tower of the
-multimodal checkpoints (Gemma3ForConditionalGeneration) loads from its `text_config`."""
+"""Gemma 3 (text; the multimodal checkpoints' `text_config` too): five sliding-window layers to
+one global, QK-norm, sandwich (1 + w) norms, GeGLU, scaled embeddings and softmax."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ from service.model.config import HFConfig, ModelConfig
 from service.model.families.base import Family, base_hf
 
 SLIDING_PATTERN = 6  # transformers' default: every sixth layer is global
-# transformers' Gemma3TextConfig defaults, which config.json may leave out: gemma-3-4b-it's
-# text_config names only its sizes, layers, window and RoPE scaling
+# transformers' Gemma3TextConfig defaults: gemma-3-4b-it's text_config names only a few fields
 TEXT_DEFAULTS = dict(
     vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,

@@ -9,8 +9,7 @@ from service.model.families.base import Family, base_hf
 
 
 def from_hf(c: HFConfig, model_type: str = "qwen2") -> dict[str, Any]:
-    """Qwen2 and Qwen3 alike: every layer full attention (no published checkpoint sets
-    use_sliding_window), RMSNorm eps 1e-6 unless given."""
+    """Qwen2 and Qwen3: full attention (no published checkpoint sets use_sliding_window)."""
     if c.get("use_sliding_window", False):
         c.refuse("use_sliding_window: true")
     return c.common(model_type, eps_default=1e-6)

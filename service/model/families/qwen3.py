@@ -1,5 +1,4 @@
-"""Qwen3 (dense): Llama's layer with a per-head RMSNorm on q and k before RoPE, no QKV bias, and
-a head_dim of its own (0.6B: 16 heads x 128 over a 1,024 hidden)."""
+"""Qwen3 (dense): Llama's layer with QK-norm before RoPE and a head_dim of its own."""
 
 from __future__ import annotations
 
