@@ -308,7 +308,9 @@ def main() -> None:
                               mfu=flops(cfg, bs, s) / ms / 1e9 / ceiling,
                               mode=per[v][key]["mode"])
             results["rows"].append(row)
-        results.setdefault("memory", {})[name] = per.get("ours-graph", {}).get("_memory")
+        for v, tag in (("ours-graph", ""), ("ours-graph-fp8", " fp8")):
+            if v in per:
+                results.setdefault("memory", {})[name + tag] = per[v].get("_memory")
         del hf, model, loaded, copies
         gc.collect()
         torch.cuda.empty_cache()

@@ -101,7 +101,7 @@ step e2e "${T_E2E:-110}" env OUT="$R" python3 bench/e2e.py --profile \
 # bench/ab_compare.py report) in $R/ab/ab-$AB_CHANGE-*.md. AB_ATTN=small runs
 # bench/attention.py --small (S = 512, 1k, both head configs) instead of the subset below.
 AB_E2E_MODELS=${AB_E2E_MODELS:-smollm2-135m,qwen2.5-0.5b,llama-3.2-1b}
-AB_E2E=(bench/e2e.py --variants ours-graph --models "$AB_E2E_MODELS")
+AB_E2E=(bench/e2e.py --variants "${AB_E2E_VARIANTS:-ours-graph}" --models "$AB_E2E_MODELS")
 # --budget-s 1: the first run (smollm2-135m main, with latency) only; the next is skipped
 AB_CAP=(-m bench.capture --models smollm2-135m --budget-s 1)
 if [ "${AB_ATTN:-subset}" = small ]; then AB_ATT=(bench/attention.py --small)

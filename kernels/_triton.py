@@ -33,8 +33,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 @triton.jit
 def dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """tl.dot(a, b, acc) (acc may be None). NOTE: Triton 3.6's interpreter multiplies bf16 bit
-    patterns as integers, so on the CPU DOT_UPCAST multiplies the bf16 operands in fp32."""
+    """tl.dot; DOT_UPCAST in fp32 (Triton 3.6's interpreter multiplies bf16 bit patterns)."""
     if DOT_UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)

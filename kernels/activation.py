@@ -1,5 +1,4 @@
-"""Gated MLP activation act(gate) * up, fp32 with one rounding: x (T, 2F) -> out (T, F); act is
-SiLU (Llama, Qwen) or GeLU-tanh (Gemma's gelu_pytorch_tanh). x's last dim contiguous;
+"""Gated MLP act(gate) * up, fp32, one rounding: x (T, 2F) -> (T, F), SiLU or GeLU-tanh (Gemma);
 `norm_rows`: the post-attention norm folded into gate/up (see rope.py)."""
 
 from __future__ import annotations

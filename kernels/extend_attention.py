@@ -1,7 +1,5 @@
-"""Extend attention: new tokens attend causally to themselves and their cached prefix (paged KV),
-or with `window` W only to the last W positions (sliding-window attention, itself included).
-q (T, H, D), k/v (T, KVH, D), strided rows, packed heads; rows past cu_seqlens_q[-1] stay untouched.
-The grid is sized by max_q_len: programs past a short sequence exit at once (no host sync)."""
+"""Extend attention: new tokens attend causally to their paged cached prefix and themselves, or with
+`window` W to the last W positions; q (T, H, D), k/v (T, KVH, D); rows past the batch untouched."""
 
 from __future__ import annotations
 
@@ -76,9 +74,8 @@ def prepare_extend_attention(
     store_slots: Tensor | None = None, cache_table: tuple[Tensor, Tensor] | None = None,
     window: int | None = None,
 ) -> tuple[Launch | None, Tensor]:
-    """Check and bind once: (launch, o); `launch(k_cache, v_cache)` runs one layer (None: nothing
-    to compute), with `store_slots` (T,) also storing k, v there. `cache_table` (a, b): int64 (1,)
-    cache addresses read at launch; `launch` takes a layer's; k_cache/v_cache fix the layout."""
+    """(launch, o) bound once; `launch(k_cache, v_cache)` runs a layer (None: no work), also storing
+    k, v at `store_slots`; `cache_table`: int64 (1,) cache addresses that launch reads instead."""
     if out is None:
         out = q.new_empty(q.shape)
     window = _window(window, batch)
@@ -118,8 +115,7 @@ def prepare_extend_attention(
 
 
 def _window(window: int | None, batch: VarlenBatch) -> int | None:
-    """The window, or None where it is causal attention: none given (None or 0), or one that
-    covers every key of the batch (max_prefix_len + max_q_len bound the positions)."""
+    """The window, or None where attention is causal: none given, or one covering every key."""
     assert window is None or window >= 0, f"window {window} must be >= 0 (0: none)"
     if not window or (batch.max_prefix_len is not None
                       and window >= batch.max_prefix_len + batch.max_q_len):
@@ -129,9 +125,7 @@ def _window(window: int | None, batch: VarlenBatch) -> int | None:
 
 def _sm90_config(q, k, v, out, batch: VarlenBatch, config, wrap, min_tokens: int,
                  window: int | None) -> sm90.Sm90Config | None:
-    """The Hopper kernel's launch shape where it is the faster: prefix-free, causal, >=
-    min_tokens known rows, sequences and head_dim pick_sm90 takes; else None (the Triton
-    kernel)."""
+    """The Hopper kernel's launch shape where it is faster, else None (the Triton kernel)."""
     n = batch.num_tokens
     if batch.max_prefix_len != 0 or n is None or config is not None or wrap is not None:
         return None
@@ -144,8 +138,7 @@ def _sm90_config(q, k, v, out, batch: VarlenBatch, config, wrap, min_tokens: int
 
 def _bind(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out, *, config, wrap,
           store_slots, cache_table, swap, window: int | None) -> Relauncher | None:
-    """The Triton kernel's checked launch; `swap`: k_cache 3, v_cache 4, out 5 (None: no work);
-    `window` None or 0: causal."""
+    """The Triton kernel's checked launch (None: no work); `swap`: k_cache 3, v_cache 4, out 5."""
     T, H, D = q.shape
     KVH = k.shape[1]
     cu, prefix_lens, page_table = batch.cu_seqlens_q, batch.prefix_lens, batch.page_table
@@ -225,8 +218,7 @@ def extend_attention_ref(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cac
                          batch: VarlenBatch, sm_scale: float | None = None,
                          out: Tensor | None = None, *, chunk_size: int = 4096,
                          window: int | None = None) -> Tensor:
-    """PyTorch reference (and CPU serving path): per sequence, SDPA with a prefix + causal mask,
-    and with `window` W (None or 0: none) keys after query_pos - W only."""
+    """PyTorch reference and CPU path: per sequence, SDPA with a prefix + causal (+ window) mask."""
     T, H, D = q.shape
     group = H // k.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)

@@ -11,9 +11,8 @@ import torch
 
 @dataclass(frozen=True)
 class AttnConfig:
-    """Tiles, warps, stages; TMA only from tma_min_tokens rows (descriptors cost host time);
-    pack_gqa: a program's block_m rows hold every query head of one KV head, so each K/V block
-    loads once per group (see `packing`)."""
+    """Tiles, warps, stages; TMA from tma_min_tokens rows (descriptors cost host time); pack_gqa:
+    a program's rows hold every query head of a KV head, K/V loaded once a group (`packing`)."""
 
     block_m: int
     block_n: int
@@ -33,18 +32,15 @@ CONFIGS: dict[tuple[int, int], AttnConfig] = {
 }
 # (bound, config) pairs in rising order: the first whose bound covers max_q_len serves a batch
 Tiers = tuple[tuple[int, AttnConfig], ...]
-# For batches with a cached prefix: up to 64 new rows a sequence (scoring's items, a turn after a
-# cached conversation) query heads packed per KV head fill the tile and read the prefix once per
-# group, not once per head (H200, 64 x 20 rows over 1-4k cached: 1.6-2.7x the unpacked tiers);
-# then smaller tiles, more programs, for batches of at most `bound` new tokens a row.
+# With a cached prefix: <= 64 new rows a sequence (scoring's items) pack a KV group's heads, which
+# read the prefix once a group (docs/performance.md, scoring's item batches); then smaller tiles.
 PACKED = AttnConfig(128, 64, 8, 3, heads_first=True, pack_gqa=True)
 SMALL_CONFIGS: dict[tuple[int, int], Tiers] = {
     (9, 64): ((64, PACKED), (1024, AttnConfig(64, 64, 4, 3, prefetch_pages=False))),
     (9, 128): ((64, PACKED), (256, AttnConfig(64, 32, 4, 2))),
 }
-# Checked first for batches without a cached prefix (or one not known): 64-row tiles, heads
-# first, win there (H200, in a graph: D128 1k +42 %, 2k +11 %; D64 1k +18 %), but lose up to
-# 7 % with a long cached prefix, which every q-block reads again, and 5 % at D64 2k, 32 heads.
+# Checked first without a known cached prefix: 64-row tiles, heads first, win there but lose with
+# a long prefix, which every q-block reads again (docs/performance.md#attention-kernel-vs-sdpa).
 PREFIX_FREE_CONFIGS: dict[tuple[int, int], Tiers] = {
     (9, 64): ((256, AttnConfig(64, 64, 4, 2, prefetch_pages=False)),
               (1024, AttnConfig(64, 64, 4, 3, heads_first=True, prefetch_pages=False))),
@@ -61,9 +57,7 @@ INTERPRETER_CONFIG = AttnConfig(16, 16, 4, 1)
 
 
 def packing(cfg: AttnConfig, group: int) -> tuple[int, int]:
-    """(query heads a program packs, positions it holds): with pack_gqa and a group of > 1, the
-    largest power of 2 of positions whose heads fit in block_m rows; a group too large for 16
-    positions (the dot's smallest K, since block_n is capped at the positions) runs unpacked."""
+    """(heads packed, positions held); below 16 positions (the dot's least K) it runs unpacked."""
     if cfg.pack_gqa and group > 1:
         rows = 1 << ((cfg.block_m // group).bit_length() - 1) if cfg.block_m >= group else 0
         if rows >= 16:
@@ -74,9 +68,7 @@ def packing(cfg: AttnConfig, group: int) -> tuple[int, int]:
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                 max_q_len: int | None = None, max_prefix_len: int | None = None,
                 group: int = 1) -> AttnConfig:
-    """The first entry covering `max_q_len` (a bound): the prefix-free tiers unless the batch
-    has a cached prefix, then the small tiers, else the table entry; packed entries only where
-    `group` (query heads per KV head) packs."""
+    """The first tier covering `max_q_len` that fits the prefix and `group`, else the table's."""
     table, prefix_free, small = _entries(head_dim, dtype, device)
     if max_q_len is not None:
         tiers = small if max_prefix_len else prefix_free + small
@@ -100,8 +92,7 @@ def _entries(head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 def prefix_batch_rows() -> tuple[int, ...]:
-    """New rows a sequence after a cached prefix that reach each config such batches use: the
-    first tier, past each tier's bound, past TMA's fewest rows (warm-up compiles them all)."""
+    """New rows after a cached prefix reaching every config such batches use (warm-up runs each)."""
     bounds = {bound for entries in SMALL_CONFIGS.values() for bound, _ in entries}
     tma = min((c.tma_min_tokens for c in CONFIGS.values() if c.use_tma), default=0)
     return tuple(sorted({16} | {b + 16 for b in bounds} | ({tma + 16} if tma else set())))

@@ -1,6 +1,5 @@
-"""Hopper (sm_90) extend attention for prefix-free batches: which inputs it takes, its launch
-shapes, and one bound launch over TMA descriptors. The Gluon kernel:
-kernels/extend_attention_sm90_kernel.py; contract and reference: kernels/extend_attention.py."""
+"""Hopper (sm_90) extend attention for prefix-free batches: inputs, launch shapes, one bound launch
+over TMA descriptors (kernel: extend_attention_sm90_kernel.py; reference: extend_attention.py)."""
 
 from __future__ import annotations
 
@@ -28,12 +27,9 @@ __all__ = ["FUSED_STORE_HEAD_DIMS", "HAS_GLUON", "SM90_CONFIG", "SM90_LOOP_CONFI
 
 @dataclass(frozen=True)
 class Sm90Config:
-    """stages: K/V ring depth (2 in use, 1 ahead; 3 fill smem, D=128); heads_first: tiles in
-    (head, q-block, sequence) order, else (q-block, head, sequence); ctas: at most this many
-    CTAs, each looping over tiles (0: one per SM; tiles then in (head, sequence, q-block)
-    order), so one tile's loads run under another's softmax and stores, and each CTA pays its
-    setup once (None: one CTA per tile); q_slots: tiles of Q in shared memory, 2 to load a
-    looping CTA's next Q under its current tile (with stages 2 at D=128)."""
+    """stages: K/V ring depth (3 fill smem at D=128); heads_first: tiles by (head, q-block, seq),
+    else (q-block, head, seq); ctas: CTAs looping over tiles, so loads run under another tile's
+    softmax (0: one per SM; None: a CTA per tile); q_slots 2: a looping CTA's next Q loads early."""
 
     stages: int = 3
     heads_first: bool = True
@@ -43,35 +39,19 @@ class Sm90Config:
 
 SM90_CONFIG = Sm90Config()
 SM90_LOOP_CONFIG = Sm90Config(ctas=0)
-# A second Q slot loads a looping CTA's next tile of Q under its current one; at D=128 it takes
-# the third K/V stage's shared memory
+# at D=128 the second Q slot takes the third K/V stage's shared memory
 SM90_LOOP_Q2_CONFIGS = {64: Sm90Config(ctas=0, q_slots=2),
                         128: Sm90Config(stages=2, ctas=0, q_slots=2)}
 TILE = CONSUMERS * BLOCK_M  # rows of a sequence one tile covers
-# Figures: H200, CUDA graph, TFLOP/s, bench/sm90_launch.py. Looping CTAs pay the warp-specialized
-# setup once each, and take tiles round by round, one depth after another; they win once a depth
-# holds enough tiles (heads x sequences) that a round of CTAs spans at most LOOP_MAX_DEPTHS
-# depths. With fewer, a single sequence's tiles of unequal depth balance better one CTA per
-# tile, handed out longest first as SMs free up (D128 32/8: 1 x 1k 404 against 366 looping;
-# 2 x 1k 407 against 416, 4 x 512 274 against 329), and so do sequences longer than
-# LOOP_MAX_Q_LEN (64 prompts of 100-4,000 rows: 496 against 490). One CTA per tile beats the
-# Triton kernel from MIN_Q_LEN rows a sequence at D128. Where a tile is a block or two
-# (<= Q2_MAX_Q_LEN rows), loading Q under the tile before outweighs the third K/V stage
-# (D128 32/8 64 x 128: 156 against 123; 32 x 256: 242 against 208; 16 x 512: 316 against 321).
-# At D64 the second Q slot costs no stage, and looping with it beats the Triton kernel once the
-# batch holds D64_MIN_BLOCKS_PER_SM causal 128 x 128 blocks (heads x sequences x the blocks on
-# and under a sequence's diagonal) an SM: 32/8 64 x 128, 2,048 blocks: 114 against 105; 9/3
-# 128 x 128, 1,152: 105 against 96; 9/3 64 x 128, 576: 90 against 97; 9/3 32 x 256, 864: 140
-# against 150; 14/2 64 x 128, 896: 105 either way.
+# Looping CTAs pay their setup once and win where a round spans <= LOOP_MAX_DEPTHS depths; one
+# sequence's unequal tiles balance better a CTA per tile. Two Q slots beat a third K/V stage up to
+# Q2_MAX_Q_LEN rows. Why each bound: docs/performance.md#attention-kernel-vs-sdpa (pick_sm90).
 LOOP_MAX_Q_LEN = 1024
 LOOP_MAX_DEPTHS = 3
 MIN_Q_LEN = 512
 Q2_MAX_Q_LEN = 256
 D64_MIN_BLOCKS_PER_SM = 7
-# With a KV store to do, the kernel writes each new K/V block from shared memory at head_dim 64
-# and the store keeps its own launch at 128, as measured: 8 x 1k prompts, ms a forward launched
-# ahead (H200, bench/e2e.py), fused against its own launch: SmolLM2-135M 5.74 against 5.86,
-# Qwen2.5-0.5B 13.22 against 13.36, Llama-3.2-1B (D128) 28.74 against 28.53.
+# the fused KV store wins at head_dim 64 only (docs/performance.md#attention-kernel-vs-sdpa)
 FUSED_STORE_HEAD_DIMS = (64,)
 
 
@@ -97,8 +77,7 @@ def _descriptor(x: torch.Tensor, rows: int):
 
 def pick_sm90(seqs: int, heads: int, max_q_len: int, sms: int,
               head_dim: int = 128) -> Sm90Config | None:
-    """The launch shape for a batch of `seqs` sequences of <= max_q_len rows on `sms` SMs; None
-    where the Triton kernel is the faster."""
+    """The launch shape for `seqs` sequences of <= max_q_len rows; None where Triton is faster."""
     loops = max_q_len <= LOOP_MAX_Q_LEN and LOOP_MAX_DEPTHS * seqs * heads >= sms
     if head_dim == 64:
         n = -(-max_q_len // TILE)
@@ -110,7 +89,6 @@ def pick_sm90(seqs: int, heads: int, max_q_len: int, sms: int,
 
 
 def batch_config(q: torch.Tensor, batch: VarlenBatch) -> Sm90Config | None:
-    """pick_sm90 for q's heads and head_dim, batch's sequences and q's GPU."""
     return pick_sm90(batch.cu_seqlens_q.shape[0] - 1, q.shape[1], batch.max_q_len,
                      _sm_count(q.device), q.shape[2])
 
@@ -119,11 +97,8 @@ def prepare_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
                  sm_scale: float | None, out: torch.Tensor, config: Sm90Config | None = None,
                  store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                  ) -> Relauncher | None:
-    """Check and bind one launch, `launch(o)` (None: nothing to compute). With num_tokens, TMA
-    reads no row past it; without, all T rows may be read as keys and must be finite. config
-    None: batch_config's (one CTA per tile where that says None). store (k_cache, v_cache,
-    slots): the launch also writes token t's k and v to slots[t] of (slots, KVH, D) caches,
-    `launch(o, k_cache, v_cache)` (caches of that layout swapped in)."""
+    """Bind `launch(o)` (None: no work); without num_tokens all T rows are read and must be finite.
+    With store (k_cache, v_cache, slots): `launch(o, k_cache, v_cache)` also writes k, v there."""
     T, H, D = q.shape
     KVH = k.shape[1]
     cu, num_tokens = batch.cu_seqlens_q, batch.num_tokens
@@ -167,7 +142,6 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_meta(head_dim: int, config: Sm90Config, store_kv: bool = False) -> dict:
-    """The kernel's constexprs and warps for a head_dim and config."""
     order = 2 if config.ctas is not None else 0 if config.heads_first else 1
     return dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, STAGES=config.stages, Q_SLOTS=config.q_slots,
                 STORE_KV=store_kv, CONSUMER_REGS=CONSUMER_REGS, ORDER=order, num_warps=4)
@@ -178,8 +152,7 @@ def extend_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bat
                           config: Sm90Config | None = None,
                           store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                           ) -> torch.Tensor:
-    """o (T, H, D): causal attention of new tokens to themselves (no prefix) on sm_90; with
-    store (k_cache, v_cache, slots), also k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]."""
+    """o (T, H, D): prefix-free causal attention on sm_90; with `store`, k and v into the caches."""
     if out is None:
         out = q.new_empty(q.shape)
     launch = prepare_sm90(q, k, v, batch, sm_scale, out, config, store)

@@ -1,8 +1,5 @@
-"""The Hopper (sm_90) extend-attention kernel in Gluon: FlashAttention-3's schedule. A producer
-warpgroup streams K/V through a TMA/mbarrier ring; two 64-row consumer warpgroups run their
-softmax under each other's wgmmas; CTAs take one tile each or loop over tiles; with STORE_KV the
-consumers also write each new K/V block into the paged cache from shared memory. Launched by
-kernels/extend_attention_sm90.py."""
+"""Hopper extend attention in Gluon, FlashAttention-3's schedule: a producer warpgroup streams K/V
+through a TMA/mbarrier ring, two 64-row consumers softmax under each other's wgmmas."""
 
 from __future__ import annotations
 
@@ -31,12 +28,8 @@ if HAS_GLUON:
     @gluon.jit
     def _tile(t, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span, ORDER: gl.constexpr,
               TILE: gl.constexpr):
-        """Tile t in launch order (span: tiles of a sequence, ORDER 0, 1; of a depth, ORDER 2):
-        (head, sequence start, length, q-block counted from the end:
-        the longest work of a sequence first; < 0: past the sequence). ORDER (fastest first):
-        0 heads, q-blocks, sequences; 1 q-blocks, heads, sequences; 2 heads, sequences,
-        q-blocks: CTAs looping over tiles take them round by round, and each round then holds
-        tiles of one depth, longest first, so no CTA collects the long ones."""
+        """(head, seq start, length, q-block from the end; < 0: past it) of tile t; ORDER 2 gives
+        each round of looping CTAs one depth, so no CTA collects the long tiles."""
         if ORDER == 0:
             h = t % n_heads
             pid_m = (t // n_heads) % n_m
@@ -55,10 +48,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _tiles():
-        """(first tile, stride) of this CTA: %ctaid.x and %nctaid.x, read where they are used. A
-        value read before the warp-specialized partitions split may live on the stack across
-        it, and a partition's local memory is out of range (an H200 faults); non-pure asm stays
-        in place."""
+        """(first tile, stride), read where used by non-pure asm: a value kept across the partition
+        split may live on the stack, out of a partition's local memory range (an H200 faults)."""
         first = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32,
                                           is_pure=False, pack=1)
         step = gl.inline_asm_elementwise("mov.u32 $0, %nctaid.x;", "=r", [], dtype=gl.int32,
@@ -69,8 +60,7 @@ if HAS_GLUON:
     def _store_kv(k_rows, v_rows, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kcs, stride_vcs,
                   row, n_rows, kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   layout: gl.constexpr):
-        """Tokens row .. row + n_rows - 1 (at most BLOCK_M) of a K/V stage in shared memory into
-        the cache at their slots, 16 bytes a thread."""
+        """Rows row .. row + n_rows - 1 of a K/V stage into the cache at their slots."""
         r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
         live = r < n_rows
@@ -84,8 +74,7 @@ if HAS_GLUON:
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, g, row, kv_col,
                  STAGES: gl.constexpr):
-        """K/V rows [row, row + block) into ring position g's stage, once both consumers freed
-        it (a fresh barrier passes parity 1)."""
+        """K/V rows from `row` into ring slot g's stage once free (fresh barriers pass parity 1)."""
         s = g % STAGES
         mbarrier.wait(kv_empty.index(s), ((g // STAGES) & 1) ^ 1)
         ready = kv_ready.index(s)
@@ -98,9 +87,7 @@ if HAS_GLUON:
                   kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs, span, n_tiles,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   ORDER: gl.constexpr, Q_SLOTS: gl.constexpr):
-        """Per tile: the diagonal K/V block, Q into slot i % Q_SLOTS once both consumers are
-        done with the tile it held, then the other blocks; ring position base + p holds block
-        (p + n - 1) % n."""
+        """Per tile: the diagonal K/V block, Q once its slot is free, then blocks 0 .. n-2."""
         i = 0
         base = 0
         first, step = _tiles()
@@ -139,9 +126,7 @@ if HAS_GLUON:
                  kv_col, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  DIAG_N: gl.constexpr, STAGES: gl.constexpr, STORE_KV: gl.constexpr,
                  store_layout: gl.constexpr):
-        """(acc, l) of a consumer's rows: the diagonal's first DIAG_N keys, then blocks 0 .. n-2
-        (ring positions base .. base + n - 1). With STORE_KV, the diagonal block's K/V rows
-        of this consumer's tokens (token0 .., n_store of them) go to the cache under its QK^T."""
+        """(acc, l) of a consumer's rows; STORE_KV writes its rows of the diagonal K/V meanwhile."""
         qk_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         qkd_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -195,8 +180,7 @@ if HAS_GLUON:
     def _advance(j, q, k_smem, v_prev, kv_ready, kv_empty, p_prev, acc, m_i, l_i, qk_scale,
                  qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """QK^T of ring position j while PV(j-1) runs, softmax(j) under that PV, release j-1:
-        (acc, m, l, P_j)."""
+        """QK^T(j) while PV(j-1) runs, softmax(j) under it, release j-1: (acc, m, l, P_j)."""
         qk = _scores(j, q, k_smem, kv_ready, qk_layout, BLOCK_M, BLOCK_N, STAGES)
         acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # QK^T(j) lands first
@@ -214,8 +198,7 @@ if HAS_GLUON:
                   l_i, qk_scale, qk_layout: gl.constexpr, p_layout: gl.constexpr,
                   row_o: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr):
-        """Blocks j0 .. n-1 (ring positions from base), p_op holding j0 - 1's P whose PV is not
-        issued; then the last PV."""
+        """Blocks j0 .. n-1, p_op holding block j0 - 1's P (its PV not issued); then the last PV."""
         for j in range(base + j0, base + n_blocks):
             acc, m_i, l_i, p_op = _advance(j, q, k_smem, v_smem.index((j - 1) % STAGES),
                                            kv_ready, kv_empty, p_op, acc, m_i, l_i, qk_scale,
@@ -240,12 +223,8 @@ if HAS_GLUON:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   ORDER: gl.constexpr, Q_SLOTS: gl.constexpr, STORE_KV: gl.constexpr,
                   CID: gl.constexpr):
-        """Rows CID * BLOCK_M .. of each tile. Every consumer, an idle one too, waits for the
-        tile's Q before releasing it: a slot's next Q loads only once both released this one, so
-        no consumer can arrive twice in one q_empty phase (an idle one that skipped the wait
-        could run Q_SLOTS tiles ahead and release a Q still in use). With STORE_KV, the first
-        head of each K/V group writes the tile's diagonal block, which holds the K/V of the
-        tile's own rows: every block of every sequence once."""
+        """Rows CID * BLOCK_M .. of each tile; an idle consumer waits for Q too before releasing it,
+        else it could run Q_SLOTS tiles ahead and free a Q in use."""
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -274,9 +253,8 @@ if HAS_GLUON:
                                         HEAD_DIM, BLOCK_M, BLOCK_N, (CID + 1) * BLOCK_M, STAGES,
                                         STORE_KV, out_layout)
                     acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-                    # out through this consumer's Q rows (read for the last time by its last
-                    # QK^T): stored from the wgmma layout, 4 bytes a row per thread, O would
-                    # write every L2 sector twice; read back, each thread stores 16 bytes
+                    # O via its dead Q rows in smem, then 16 bytes a thread: from the wgmma
+                    # layout (4 bytes a row per thread) it would write every L2 sector twice
                     q_rows.store(acc.to(o_ptr.dtype.element_ty))
                     gl.thread_barrier()
                     o = q_rows.load(out_layout)
@@ -294,11 +272,8 @@ if HAS_GLUON:
                 i += 1
                 base += m_block + 1
 
-    # One binary per launch shape: no count is specialized as 1 (nor as a multiple of 16). The
-    # GPU tests then check every binary the service runs, and nothing loop-invariant is derived
-    # in the partitions (see _tiles): ptxas has kept such values on the stack, and built
-    # one branch's wgmma descriptors from registers only another branch sets, in some
-    # specializations of the KV store
+    # No count specialized, one binary per launch shape: the GPU tests cover every binary, and
+    # ptxas miscompiled some specializations (stack values; wgmma descriptors from another branch)
     @gluon.jit(do_not_specialize=["kv_group", "n_heads", "n_m", "n_seqs", "span", "n_tiles"])
     def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           cu_seqlens_q_ptr, qk_scale, kv_group, stride_ot, stride_kcs, stride_vcs,
@@ -321,7 +296,7 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
-        gl.warp_specialize(  # NOTE: racecheck flags hazards only in here; memcheck is clean
+        gl.warp_specialize(  # racecheck flags hazards only in here; memcheck is clean
             [(_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                           kv_ready, kv_empty, kv_group, cu_seqlens_q_ptr, n_heads, n_m, n_seqs,
                           span, n_tiles, HEAD_DIM, TILE, STAGES, ORDER, Q_SLOTS)),

@@ -1,10 +1,6 @@
-"""Extend attention's Triton kernel: FlashAttention-2 forward, exp2 online softmax, fp32 acc.
-A program owns BLOCK_M query rows of one sequence and head; D <= 256, padded to a power of 2.
-With PACK > 1 a program owns ROWS positions of all PACK query heads of one KV head instead
-(row r: position r // PACK, head r % PACK), so each K/V block is loaded once for the group.
-SLIDING (local attention, Gemma-style): a query at absolute position i sees keys j in
-(i - window, i]; each loop starts at the block of its q-block's first key in the window, and
-only blocks reaching below the highest row's window (the edge) pay for the window mask."""
+"""Extend attention's Triton kernel: FlashAttention-2 forward, exp2 softmax, fp32 acc, D <= 256.
+PACK > 1: a program's rows hold a KV head's PACK query heads, so K/V loads once per group.
+SLIDING: query i sees keys in (i - window, i]; only blocks below the edge pay for the mask."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ def _softmax_step(
 
 @triton.jit
 def _in_window(qk, q_pos, start_n, offs_n, edge, window, SLIDING: tl.constexpr):
-    """Scores of keys at or before q_pos - window to -inf (positions on one axis); a block
-    from `edge` on lies in every row's window and skips the mask (a uniform branch)."""
+    """Scores of keys at or before q_pos - window to -inf; blocks from `edge` on skip the mask."""
     if SLIDING:
         if start_n < edge:
             k_pos = start_n + offs_n
@@ -100,7 +95,7 @@ def _extend_attention_kernel(
         return
     prefix_len = tl.load(prefix_lens_ptr + b)
     if CACHE_TABLE:  # the caches' addresses are data: a captured graph reads them at replay
-        # NOTE: a loaded address has no known alignment; without multiple_of the loads go scalar
+        # a loaded address has no known alignment; without multiple_of the loads go scalar
         elt = tl.pointer_type(q_ptr.dtype.element_ty)
         k_cache_ptr = tl.multiple_of(tl.load(k_cache_ptr).to(elt), 16)
         v_cache_ptr = tl.multiple_of(tl.load(v_cache_ptr).to(elt), 16)
@@ -192,8 +187,7 @@ def _extend_attention_kernel(
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, DOT_PRECISION,
                                           DOT_UPCAST)
 
-    # (b) new tokens strictly below the diagonal block: every key is in bounds and, without a
-    # window, visible
+    # (b) new tokens below the diagonal block: keys in bounds and, without a window, visible
     k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * HEAD_DIM
     v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * HEAD_DIM
     new_start = 0
@@ -239,8 +233,7 @@ def _extend_attention_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
     )
     if STORE_KV:
-        # one program per KV head and q-block stores each new row once (stores_kv); prefix loops
-        # never read these slots
+        # one program per KV head and q-block stores each new row once; prefix loops never read it
         if stores_kv:
             for start_n in range(diag_start, diag_end, BLOCK_N):
                 rows = start_n + offs_n

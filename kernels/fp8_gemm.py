@@ -1,12 +1,5 @@
-"""Block-scaled FP8 GEMM: out (M, N) = (a * sa) @ (w * sw)^T (+ bias), e4m3 operands.
-
-The 128 x 128 format Qwen3's FP8 checkpoints ship: sa (M, K / 128) a scale per token and
-128-column group, sw (N / 128, K / 128) one per 128 x 128 weight tile. Each 128-deep partial
-product is scaled and added to an fp32 accumulator. NOTE: within one partial product Hopper's
-FP8 MMA accumulates at reduced precision (cuBLASLt's "fast accumulation"); the promotion to
-fp32 every 128 terms is what keeps the sum exact enough (row-wise scales need none of this:
-they go to torch._scaled_mm, which accumulates in fp32). `w` is the (N, K) weight as stored,
-read transposed in place. `fp8_gemm_ref` is the same arithmetic in PyTorch."""
+"""Block-scaled FP8 GEMM: out = (a * sa) @ (w * sw)^T (+ bias); e4m3 a (M, K), w (N, K), sa (M,
+K/128), sw (N/128, K/128); each 128-deep partial product goes to fp32 (Hopper's MMA sums short)."""
 
 from __future__ import annotations
 
@@ -47,7 +40,7 @@ def _fp8_gemm_kernel(
         k_ok = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:  # NOTE: the interpreter multiplies fp8 bit patterns, not values
+        if UPCAST:  # the interpreter multiplies fp8 bit patterns, not values
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         # BLOCK_K == 128: this step is one scale group of a and one weight tile column
@@ -75,8 +68,7 @@ def gemm_config(m: int) -> dict:
 def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
              out: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
              wrap=None) -> torch.Tensor:
-    """out = a @ w^T with block scales (+ bias); a (M, K), w (N, K) e4m3, sa (M, K / 128),
-    sw (N / 128, K / 128) fp32 (sa in any layout)."""
+    """out = a @ w^T with block scales (+ bias), shapes as above (sa in any layout)."""
     M, K = a.shape
     N = w.shape[0]
     assert a.dtype == w.dtype == torch.float8_e4m3fn and w.shape[1] == K, "e4m3 a (M, K), w (N, K)"
@@ -102,8 +94,7 @@ def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tenso
 
 def fp8_gemm_ref(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                  out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product from dequantized operands: fp32 values times their scales, for block
-    scales as above or row-wise ones (sa (M,), sw (N,))."""
+    """The same product from fp32 dequantized operands; block scales or row-wise (M,), (N,)."""
     y = dequantize(a, sa, SCALE_BLOCK) @ dequantize(w, sw, SCALE_BLOCK).t()
     if bias is not None:
         y += bias.float()

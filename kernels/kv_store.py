@@ -44,8 +44,7 @@ def _store_kv_kernel(
 
 def check_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor) -> None:
-    """Asserts the store's contract: k, v (T, KVH, D); caches (slots, KVH, D) in k's dtype,
-    last dims contiguous; slot_mapping (T,) int32/int64."""
+    """Asserts k, v (T, KVH, D); caches (slots, KVH, D) in k's dtype; slot_mapping (T,) int."""
     T, KVH, D = k.shape
     assert v.shape == k.shape, f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):

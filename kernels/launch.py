@@ -20,7 +20,7 @@ else:  # pragma: no cover - the JIT path raises its own clear error at launch
 
 
 def hooks_idle() -> bool:
-    """No launch hook installed. NOTE: Triton 3.6 keeps an empty HookChain, never None."""
+    """No launch hook installed (Triton 3.6 keeps an empty HookChain, never None)."""
     hook = knobs.runtime.launch_enter_hook
     return hook is None or not getattr(hook, "calls", True)
 
@@ -96,8 +96,7 @@ class Relauncher:
         self._bound: tuple | None = None
 
     def detach(self) -> bool:
-        """Hold addresses, not tensors, outside the swapped slots (no caller memory kept alive);
-        then it launches only while `hooks_idle()`. False where nothing compiled is bound."""
+        """Keep addresses, not tensors (no caller memory held); False where nothing is compiled."""
         if self._bound is None:
             return False
         handles, vals, aligned = self._bound

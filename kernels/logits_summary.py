@@ -31,7 +31,7 @@ def _chunk_kernel(
     cand = (row * n_chunks + c) * K
     for i in range(K):
         v = tl.max(x, axis=0)
-        # NOTE: clamped: a NaN row matches nothing, and no id past the vocabulary may escape
+        # clamped: a NaN row matches nothing, and no id past the vocabulary may escape
         idx = tl.minimum(tl.min(tl.where(x == v, offs, 2147483647), axis=0), V - 1)
         tl.store(cand_v_ptr + cand + i, v)
         tl.store(cand_i_ptr + cand + i, idx)

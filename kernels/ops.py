@@ -22,8 +22,7 @@ Tensor = torch.Tensor
 
 def _kernel_op(name: str, mutates: set[str], ref: Callable, launch: Callable,
                to_op: Callable | None = None) -> Callable[[Callable], Callable]:
-    """Registers the out-variant as `prefill::<name>` (its fake allocates nothing); returns
-    `run(use_triton, *args)` calling `ref`, the op (arguments mapped by `to_op`) or `launch`."""
+    """Registers `prefill::<name>`; returns `run(use_triton, *args)`: `ref`, the op or `launch`."""
 
     def register(body: Callable) -> Callable:
         op = triton_op(f"prefill::{name}", mutates_args=mutates)(body)
@@ -98,8 +97,7 @@ def _store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 def _attention_op_args(q, k, v, k_cache, v_cache, batch: VarlenBatch, sm_scale, out,
                        window: int | None = None) -> tuple:
-    """The op's arguments: torch.library takes tensors and scalars, not a VarlenBatch (nor
-    None for an int: window 0 is none)."""
+    """The op's arguments: torch.library takes no VarlenBatch, nor None for an int (window 0)."""
     prefix = -1 if batch.max_prefix_len is None else batch.max_prefix_len
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
     return (q, k, v, k_cache, v_cache, batch.cu_seqlens_q, batch.prefix_lens, batch.page_table,
@@ -153,8 +151,7 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor,
 def act_and_mul(x: Tensor, out: Tensor | None = None, use_triton: bool | None = None, *,
                 activation: str = "silu", norm_rows: Tensor | None = None,
                 eps: float = 0.0) -> Tensor:
-    """x (T, 2F) -> act(x[:, :F]) * x[:, F:] (T, F), `activation` "silu" or "gelu_tanh"
-    (kernels/activation.py)."""
+    """x (T, 2F) -> act(x[:, :F]) * x[:, F:] (T, F), act "silu" or "gelu_tanh"."""
     out = x.new_empty((x.shape[0], x.shape[1] // 2)) if out is None else out
     _act_and_mul(use_triton, x, out, activation=activation, norm_rows=norm_rows, eps=eps)
     return out
@@ -164,8 +161,7 @@ def quantize_fp8(x: Tensor, out: Tensor, scale: Tensor, *, group: int = 0,
                  static: Tensor | None = None, residual: Tensor | None = None,
                  weight: Tensor | None = None, eps: float = 0.0,
                  use_triton: bool | None = None) -> None:
-    """e4m3 rows into `out` and their scales into `scale`, optionally of the residual-added,
-    RMS-normed rows (kernels/quant_fp8.py)."""
+    """e4m3 rows and scales of x, optionally residual-added and RMS-normed (quant_fp8.py)."""
     _quantize_fp8(use_triton, x, out, scale, group=group, static=static, residual=residual,
                   weight=weight, eps=eps)
 
@@ -187,8 +183,7 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 def extend_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                      batch: VarlenBatch, sm_scale: float | None = None, out: Tensor | None = None,
                      use_triton: bool | None = None, *, window: int | None = None) -> Tensor:
-    """o (T, H, D): prefix + causal attention over a varlen batch, with `window` W each query
-    sees its last W positions only (kernels/extend_attention.py)."""
+    """o (T, H, D): prefix + causal (or `window`) attention over a varlen batch."""
     out = q.new_empty(q.shape) if out is None else out
     _extend_attention(use_triton, q, k, v, k_cache, v_cache, batch, sm_scale, out, window=window)
     return out

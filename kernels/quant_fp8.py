@@ -1,12 +1,6 @@
-"""FP8 (e4m3) activation quantization, one program per row: what an FP8 projection reads.
-
-`quantize_fp8`: a row (optionally residual-added and RMS-normed first, as kernels/rms_norm.py
-rounds them) to e4m3 with a scale per row (amax / 448), per `group` consecutive columns, or one
-static scale. `act_and_mul_fp8`: the gated MLP's act(gate) * up, rounded to the input's dtype
-as kernels/activation.py rounds it, then quantized the same way. Both write the e4m3 values
-and one fp32 scale per row (per group: any strides, e.g. the column-major (T, K / 128) layout
-cuBLASLt reads) into given buffers; a static scale is written per row so the GEMM reads one
-layout. The `_ref` functions are the arithmetic the kernels follow."""
+"""FP8 (e4m3) quantization of rows, residual-added and RMS-normed or act(gate) * up first, rounded
+as the bf16 kernels round them; scales per row (amax / 448), per `group` columns or one static
+scale written per row, so the GEMM reads one layout. The `_ref` functions: the same arithmetic."""
 
 from __future__ import annotations
 
@@ -24,10 +18,8 @@ ROW_MAX = 16384  # widest activation row quantized from registers in one pass
 
 @triton.jit
 def to_e4m3(y, EXACT_CAST: tl.constexpr):
-    """fp32 y (|y| <= 448) to e4m3, rounded to nearest even. NOTE: Triton 3.6's interpreter
-    drops the carry when rounding crosses a power of two (127.5 -> 64), so on the CPU the value
-    is first rounded in fp32 onto e4m3's grid (3 mantissa bits; below 2^-6 a fixed 2^-9 step),
-    where its cast is exact."""
+    """fp32 y (|y| <= 448) to e4m3, nearest even. EXACT_CAST rounds onto e4m3's grid in fp32 first:
+    Triton 3.6's interpreter drops the carry where rounding crosses a power of two (127.5 -> 64)."""
     if EXACT_CAST:
         e = tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625)))
         step = tl.exp2(e - 3.0)
@@ -38,9 +30,7 @@ def to_e4m3(y, EXACT_CAST: tl.constexpr):
 @triton.jit
 def _store_quantized(y, col0, n_cols, q_ptr, s_ptr, stride_sg, scale, GROUP: tl.constexpr,
                      STATIC: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK: tl.constexpr):
-    """Quantize fp32 `y` (BLOCK columns from `col0`, zeros past n_cols) into q_ptr's row:
-    GROUP > 0: a scale per GROUP columns, stored at s_ptr[group * stride_sg]; else by the
-    row's `scale` (STATIC: values beyond the range saturate)."""
+    """fp32 `y` (BLOCK columns from `col0`) into q_ptr's row, a scale per GROUP or the row's."""
     cols = col0 + tl.arange(0, BLOCK)
     mask = cols < n_cols
     if GROUP > 0:
@@ -66,8 +56,7 @@ def _quantize_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
-    # NOTE: the add and norm steps of kernels/rms_norm.py's kernel, rounded alike, so these are
-    # the rows the bf16 path would hand its projection
+    # rms_norm.py's add and norm, rounded alike: the rows the bf16 path hands its projection
     x = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
@@ -110,9 +99,7 @@ def _act_quantize_kernel(
     ACTIVATION: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr,
     EXACT_CAST: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    """GROUP > 0 or STATIC: one block of columns a program; else one row a program, held in
-    registers when BLOCK_F covers it, else in two passes (the row's amax, then the values:
-    the activation is recomputed, not stored)."""
+    """A block of columns a program, or a row: in registers, else two passes (amax, then values)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xt
     q_row = q_ptr + row * stride_qt
@@ -160,9 +147,7 @@ def _check_out(x_rows: int, cols: int, out: torch.Tensor, scale: torch.Tensor, g
 def quantize_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, *, group: int = 0,
                  static: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  weight: torch.Tensor | None = None, eps: float = 0.0, wrap=None) -> None:
-    """out (T, N) e4m3, scale (T,) or (T, N / group) fp32 of y: y = x, or with `residual`
-    (in place: residual <- x + residual) the new residual, then with `weight` rms_norm(y) *
-    weight; quantized per row, per `group` columns, or with the one `static` scale."""
+    """out (T, N) e4m3 and scale of x, or of residual += x, then rms_norm(.) * `weight` if given."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be (T, N) with a contiguous last dim"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {x.dtype}"
     assert static is None or group == 0, "a static scale is one per tensor"
@@ -192,8 +177,7 @@ def quantize_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, *, gro
 def act_and_mul_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, *,
                     activation: str = "silu", group: int = 0,
                     static: torch.Tensor | None = None, block_f: int = 1024, wrap=None) -> None:
-    """act(x[:, :F]) * x[:, F:] rounded to x's dtype, quantized into out (T, F) e4m3 and scale
-    (T,) or (T, F / group), or with the one `static` scale."""
+    """act(x[:, :F]) * x[:, F:] in x's dtype into out (T, F) e4m3, scale as `quantize_fp8`'s."""
     assert activation in ACTIVATIONS, f"activation {activation!r} must be one of {ACTIVATIONS}"
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1, "x must be (T, 2F)"
     assert static is None or group == 0, "a static scale is one per tensor"
@@ -219,8 +203,7 @@ def act_and_mul_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, *,
 
 def quantize_ref(y: torch.Tensor, group: int = 0, static: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, fp32 scales) of y (T, N): scale = amax / 448 per row ((T,)), per `group`
-    columns ((T, N / group)), or `static` for every row (values beyond 448 saturate)."""
+    """(e4m3, fp32 scales) of y (T, N): amax / 448 a row or `group`, or `static` (saturating)."""
     yf = y.float()
     rows, cols = yf.shape
     if static is not None:
@@ -236,9 +219,7 @@ def quantize_ref(y: torch.Tensor, group: int = 0, static: torch.Tensor | None = 
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """fp32 values * scale: a scalar, one per row (N,), or 2-D per `block` columns, of one row
-    ((T, K / block), activations) or of `block` rows too ((N / block, K / block), weights);
-    ragged last groups take their group's scale."""
+    """fp32 values * scale: a scalar, per row, per `block` columns or per block x block tile."""
     v = values.float()
     if scale.numel() == 1:
         return v * scale.float().reshape(())

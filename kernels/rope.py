@@ -1,7 +1,6 @@
-"""Rotary position embedding (GPT-NeoX halves, as HF Llama) in place, one program per token.
-`norm_rows`: rms_norm(x) @ W^T = rstd(x) * (x @ (W*g)^T), so q, k, v get rstd, then bias, here.
-`q_norm`/`k_norm` (Qwen3, Gemma 3): each q and k head RMS-normalised over its D elements before
-the rotation, in fp32 with the rotation (one rounding); the (D,) weight is shared by all heads."""
+"""Rotary embedding (GPT-NeoX halves, as HF Llama) in place, a program per token. `norm_rows`:
+rms_norm(x) @ W^T = rstd(x) * (x @ (W*g)^T), so q, k, v get rstd, then bias, here; `q_norm`/`k_norm`
+(Qwen3, Gemma 3): per-head RMSNorm before the rotation, one rounding with it."""
 
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ def apply_rope(
     qk_eps: float = 0.0,
     wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q and k in place; with `norm_rows` q, k, v first scaled and given `bias`; with
-    `q_norm`, `k_norm` ((D,) weights) each q and k head then RMS-normalised."""
+    """Rotates q and k in place, after the optional `norm_rows` scale, `bias` and head norms."""
     T, H, D = q.shape
     assert k.dim() == 3 and k.shape[0] == T and k.shape[2] == D, f"k shape {tuple(k.shape)}"
     assert D % 2 == 0, f"head_dim {D} must be even"

@@ -9,8 +9,7 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class VarlenBatch:
-    """B sequences packed token-major. The optional host-side facts pick faster code (None:
-    the general case): max_prefix_len 0 drops the prefix loop; num_tokens enables Hopper's."""
+    """B sequences packed token-major; optional host-side facts (None: unknown) pick faster code."""
 
     cu_seqlens_q: torch.Tensor  # (B + 1,) int32
     prefix_lens: torch.Tensor  # (B,) int32: cached tokens before each sequence's new tokens

@@ -1,8 +1,4 @@
-"""Quantization schemes: the registry, the `Scheme` each entry declares (how it is chosen, how
-it converts or loads a model, the scratch its projections need, its label) and the one
-`Projection` interface, so the decoder, the engine and the API never ask which one they hold.
-A new scheme is a module here (its `SCHEME`) and a line in `_ENTRIES`; torch-free, as
-service/config.py reads the QUANTIZATION values here."""
+"""Quantization schemes: a module each (`SCHEME`), a line in `_ENTRIES`; torch-free for config."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROJECTIONS = ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # each layer's
+PROJECTIONS = ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 Rows = Any  # a projection's input: a (T, K) tensor, or what its `normed` or `gated` returned
 
 
@@ -61,15 +57,13 @@ class Scheme:
 
     def choose(self, qc: Mapping[str, Any], refuse: Callable[[str], Exception]
                ) -> Scheme | None:
-        """The scheme that loads a checkpoint with this `quantization_config`; None: not one
-        of this scheme's; raises refuse(what) for one of its variants it cannot run exactly."""
+        """The scheme for checkpoint config `qc`, None if not ours; refuse(what) if not exact."""
         return None
 
     def convert(self, model: nn.Module) -> None:
         """QUANTIZATION=<name>: the loaded model's plain projections to this scheme."""
 
     def ignores(self, module: str) -> bool:
-        """Whether checkpoint module `module` stays plain."""
         return True
 
     def load(self, tensors: Mapping[str, torch.Tensor], parts: list[str],
@@ -106,7 +100,6 @@ _LOADED: dict[str, Scheme] = {}
 
 
 def register(scheme: Scheme, setting: str | None = None, loads: str | None = None) -> None:
-    """Add `scheme` under its name (a scheme defined outside this package)."""
     _ENTRIES[scheme.name] = Entry(scheme, setting, loads)
     _LOADED.pop(scheme.name, None)
 
@@ -139,8 +132,7 @@ def scheme(name: str) -> Scheme:
 
 
 def of_checkpoint(raw: Mapping[str, Any], where: str) -> Scheme | None:
-    """The scheme of a config.json, None without `quantization_config`; ModelLoadError for one
-    no scheme runs exactly, naming what it found."""
+    """A config.json's scheme (None: unquantized); ModelLoadError naming what no scheme runs."""
     qc = raw.get("quantization_config")
     if qc is None and isinstance(raw.get("text_config"), dict):
         qc = raw["text_config"].get("quantization_config")
@@ -169,7 +161,6 @@ def apply(model: nn.Module, name: str) -> None:
 
 
 def replace_projections(model: nn.Module, fn: Callable[[Projection], Projection | None]) -> None:
-    """Every layer's projection p by fn(p), where that is not None."""
     for layer in model.layers:
         for path in PROJECTIONS:
             owner, _, attr = path.rpartition(".")

@@ -1,7 +1,4 @@
-"""compressed-tensors checkpoints (llmcompressor's output): `float-quantized` 8-bit float weights
-per channel, per tensor or in 128 x 128 blocks (FP8_BLOCK), activations dynamic per token,
-static per tensor or, with block weights, dynamic per 1 x 128 group; each runs as the FP8
-scheme with those strategies (service/model/quant/fp8.py)."""
+"""llmcompressor's compressed-tensors FP8 checkpoints, each run as the FP8 scheme (fp8.py)."""
 
 from __future__ import annotations
 

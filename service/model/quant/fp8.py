@@ -1,9 +1,4 @@
-"""The FP8 W8A8 schemes (projections: service/model/quant/fp8_linear.py).
-
-QUANTIZATION=fp8 quantizes a loaded model per output channel, activations per token; a
-checkpoint of the `fp8` method with `weight_block_size: [128, 128]` (Qwen3's FP8 releases) loads
-as published, activations per 128-column group. compressed-tensors checkpoints choose the same
-scheme with their own strategies (service/model/quant/compressed_tensors.py)."""
+"""FP8 W8A8 schemes: QUANTIZATION=fp8 and `fp8` checkpoints of 128 × 128 blocks (fp8_linear.py)."""
 
 from __future__ import annotations
 
@@ -103,11 +98,7 @@ SCHEME = Fp8()
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> None:
-    """Every layer's projections to per-channel FP8 in place (embedding and LM head stay).
-    The pre-norms' weights are multiplied into QKV and gate/up first and quantized with them,
-    so the channels a norm weight magnifies meet the per-channel weight scales rather than
-    inflating each token's activation scale (bench/fp8_accuracy.py measures the result). The
-    norms still run (unit weights): their launch writes the quantized rows (Fp8Linear.quantize)."""
+    """Per-channel FP8 in place; pre-norms fold in first, so weight (not token) scales take them."""
     assert not getattr(model, "norms_folded", False), "quantize before folding norms"
     for layer in model.layers:
         if (not layer.cfg.sandwich_norms and layer.qkv_proj.foldable

@@ -1,14 +1,4 @@
-"""FP8 (e4m3) projections: the W8A8 arithmetic, its exact PyTorch reference and its GPU kernels.
-
-Weights are e4m3 with a scale per output channel (or per 128 × 128 block, as Qwen3's FP8
-checkpoints ship them); activations are quantized per token (or per 128-column group with block
-weights) at run time by the launch that produces them (kernels/quant_fp8.py: add + RMSNorm,
-SiLU-and-mul, or a launch of its own for the O projection's input); products are summed in fp32
-and scaled back. On CUDA the GEMMs are cuBLASLt's (torch._scaled_mm: row-wise scales, or block
-scales where this torch has them) or our Triton block-scaled kernel (kernels/fp8_gemm.py);
-elsewhere the reference emulates the same arithmetic exactly: e4m3 rounding of both operands
-with the same scales, an fp32 product. `Fp8Linear` has the Projection interface
-(service/model/quant/__init__.py); service/model/quant/fp8.py is the scheme that makes them."""
+"""FP8 W8A8 projections: fp32 sums; cuBLASLt or Triton GEMMs on CUDA, exact emulation elsewhere."""
 
 from __future__ import annotations
 
@@ -25,7 +15,6 @@ BLOCK = SCALE_BLOCK  # the block format's weight tile and activation group
 
 
 def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, fp32 (N / block, K / block) scales) of a weight in block × block tiles."""
     n, k = w.shape
     assert n % block == 0 and k % block == 0, f"weight {tuple(w.shape)} in {block}-blocks"
     t = w.float().view(n // block, block, k // block, block)
@@ -35,8 +24,7 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """A projection's input as its FP8 GEMM reads it: e4m3 rows, their fp32 scales ((T,) a row,
-    (T, K / 128) a row's groups) and the dtype the unquantized rows had (the output's)."""
+    """An FP8 GEMM's input: e4m3 rows, fp32 scales ((T,) or (T, K / 128)), the output's dtype."""
 
     values: torch.Tensor
     scale: torch.Tensor
@@ -52,8 +40,7 @@ class QuantizedRows:
 
 @dataclass(frozen=True)
 class Fp8Scratch:
-    """Where quantized rows are written: flat e4m3 values and fp32 scales, viewed per call as
-    (rows, cols) contiguous; a graph runner allocates one at its largest size."""
+    """Flat e4m3 values and fp32 scales for quantized rows; a graph runner sizes it once."""
 
     values: torch.Tensor  # (>= rows * cols,) e4m3
     scale: torch.Tensor  # (>= rows * groups,) fp32
@@ -91,9 +78,7 @@ _CUBLAS_BLOCK: dict[torch.device, bool] = {}
 
 
 def cublas_block_scales(device: torch.device) -> bool:
-    """Whether this torch's `_scaled_mm` takes 128 x 128 block scales on `device` (cuBLASLt,
-    CUDA 12.9+: about twice our Triton kernel's speed, bench/fp8_gemm.py). Asked once per device,
-    outside graph capture (a captured first call takes the Triton kernel)."""
+    """Whether `_scaled_mm` takes 128 x 128 block scales (CUDA 12.9+); a captured first call: no."""
     if device in _CUBLAS_BLOCK:
         return _CUBLAS_BLOCK[device]
     if torch.cuda.is_current_stream_capturing():
@@ -111,10 +96,8 @@ def cublas_block_scales(device: torch.device) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ W^T (+ b) with W in e4m3: `weight_scale` (N,) per channel or (N/128, K/128) per
-    block; activations quantized per token (per 128-column group with block weights), or with
-    one static `input_scale` for the whole tensor. Triton kernels quantize and multiply on
-    CUDA (`use_triton`, None: by the input's device); elsewhere the PyTorch reference."""
+    """y = x @ W^T (+ b), e4m3 W scaled (N,) or (N/128, K/128); activations per token, per group
+    with block weights, or by one static `input_scale`. `use_triton` None: by the input's device."""
 
     foldable = False  # an e4m3 weight times a norm weight is no longer e4m3
 
@@ -133,12 +116,11 @@ class Fp8Linear(nn.Module):
         self.input_scale = (None if input_scale is None
                             else nn.Parameter(input_scale.float().reshape(()),
                                               requires_grad=False))
-        self.group = BLOCK if self.block else 0  # activation scales: per token or per group
+        self.group = BLOCK if self.block else 0
         self.use_triton: bool | None = None
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Fp8Linear:
-        """Per-output-channel e4m3 of a bf16/fp32 projection, per-token dynamic activations."""
         w, scale = quantize_ref(lin.weight.data)
         bias = None if lin.bias is None else lin.bias.data
         return cls(w, scale, bias)
@@ -155,8 +137,7 @@ class Fp8Linear(nn.Module):
     def quantize(self, x: torch.Tensor, scratch: Fp8Scratch | None = None, *,
                  residual: torch.Tensor | None = None, norm: nn.Module | None = None
                  ) -> QuantizedRows:
-        """x's rows as this projection reads them; with `residual` (in place: residual += x)
-        and `norm` (an RMSNorm) the normed new residual, in one launch."""
+        """x's rows as this projection reads them; with `residual` (+= x) and `norm`, normed."""
         values, scale = self._input_buffers(x.shape[0], self.in_features, x.device, scratch)
         ops.quantize_fp8(x, values, scale, group=self.group, static=self.input_scale,
                          residual=residual, weight=None if norm is None else norm.weight,
@@ -165,7 +146,6 @@ class Fp8Linear(nn.Module):
 
     def quantize_act(self, gate_up: torch.Tensor, activation: str,
                      scratch: Fp8Scratch | None = None) -> QuantizedRows:
-        """act(gate) * up of a (T, 2F) gate|up output, quantized for this (down) projection."""
         values, scale = self._input_buffers(gate_up.shape[0], self.in_features, gate_up.device,
                                       scratch)
         ops.act_and_mul_fp8(gate_up, values, scale, activation=activation, group=self.group,
@@ -190,9 +170,7 @@ class Fp8Linear(nn.Module):
     def matmul(self, x: torch.Tensor | QuantizedRows, out: torch.Tensor | None = None, *,
                accumulate: bool = False, bias: bool = True,
                scratch: Fp8Scratch | None = None) -> torch.Tensor:
-        """`x @ W^T` (+ bias) into `out`. x: rows to quantize (into `scratch`), or rows already
-        quantized for this projection. NOTE: no `accumulate` (the folded-norm path's out +=):
-        quantized projections keep their norms unfolded."""
+        """`x @ W^T` (+ bias) into `out`; x: rows to quantize (into `scratch`) or quantized ones."""
         assert not accumulate, "quantized projections run with their norms unfolded"
         q = x if isinstance(x, QuantizedRows) else self.quantize(x, scratch)
         b = self.bias if bias else None
@@ -201,15 +179,13 @@ class Fp8Linear(nn.Module):
                               device=q.values.device)
         if not self._triton(q.values):
             return fp8_gemm_ref(q.values, q.scale, self.weight, self.weight_scale, out, b)
-        # NOTE: cuBLASLt finds no block-scaled algorithm for some row counts (1,338 rows:
-        # NOT_SUPPORTED); whole 16-row tiles, which every graph bucket past 8 is, it takes
+        # cuBLASLt has no block-scaled algorithm for some row counts; whole 16-row tiles it takes
         if self.block and (out.shape[0] % 16 or not cublas_block_scales(out.device)):
             return fp8_gemm(q.values, q.scale, self.weight, self.weight_scale, out, b)
         if self.block:  # cuBLASLt: 1 x 128 activation groups, 128 x 128 weight tiles
             return torch._scaled_mm(q.values, self.weight.t(), scale_a=q.scale,
                                     scale_b=self.weight_scale.t(), bias=b, out_dtype=out.dtype,
                                     out=out)
-        # cuBLASLt's row-wise scaled GEMM: per-token x per-channel scales, fp32 sums
         return torch._scaled_mm(q.values, self.weight.t(), scale_a=q.scale[:, None],
                                 scale_b=self.weight_scale[None, :], bias=b, out_dtype=out.dtype,
                                 out=out)
@@ -218,5 +194,4 @@ class Fp8Linear(nn.Module):
         return self.matmul(x)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight as fp32 values (tests and folding checks)."""
         return dequantize(self.weight, self.weight_scale)

@@ -1,5 +1,4 @@
-"""The plain scheme: projections in the model's dtype, their inputs as the norm or activation
-kernel writes them."""
+"""The plain scheme: projections in the model's dtype."""
 
 from __future__ import annotations
 
@@ -36,10 +35,9 @@ class Linear(nn.Linear):
     def gated(self, gate_up: torch.Tensor, activation: str, scratch: None = None, *,
               use_triton: bool = False, norm_rows: torch.Tensor | None = None,
               eps: float = 0.0) -> torch.Tensor:
-        """Into gate_up's gate half, in place: each element is read by the program that writes
-        it; `norm_rows`: the folded input norm's rstd is applied too."""
+        """Into gate_up's gate half in place (each element is read by the program writing it)."""
         f = gate_up.shape[1] // 2
-        return ops.act_and_mul(gate_up, out=gate_up[:, :f], use_triton=use_triton,  # (T, F)
+        return ops.act_and_mul(gate_up, out=gate_up[:, :f], use_triton=use_triton,
                                activation=activation, norm_rows=norm_rows, eps=eps)
 
     def fold_norm(self, weight: torch.Tensor) -> None:
