@@ -38,6 +38,8 @@ Text = Annotated[StrictStr, AfterValidator(_unicode)]
 # int32-bounded where it enters (ids cross as int32); negative ids pass for the vocabulary check
 TokenId = Annotated[StrictInt, Field(ge=-MAX_INT32 - 1, le=MAX_INT32)]
 TokenIds = list[TokenId]
+ModelName = Annotated[Text | None,
+                     Field(description="Optional; must name the served model if set.")]
 
 
 Finite = dict(allow_inf_nan=False)

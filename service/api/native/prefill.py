@@ -7,12 +7,11 @@ import uuid
 from collections.abc import Callable
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, model_validator
 
-from service.api.bodies import FastJSONRoute
-from service.api.deps import State, json_answer, json_array, logprob_count, require_api_key
+from service.api.deps import State, api_router, json_answer, json_array, logprob_count
 from service.api.prompts import (
     check_ids,
     encode_texts,
@@ -21,7 +20,7 @@ from service.api.prompts import (
     sampling_params,
     tokenized,
 )
-from service.api.schemas import Sampling, Text, TokenIds
+from service.api.schemas import ModelName, Sampling, Text, TokenIds
 from service.api.state import AppState
 from service.engine.interface import (
     MAX_LOGPROB_TOKEN_IDS,
@@ -30,14 +29,13 @@ from service.engine.interface import (
     TokenLogprob,
 )
 
-router = APIRouter(prefix="/v1", tags=["prefill"], dependencies=[Depends(require_api_key)],
-                   route_class=FastJSONRoute)
+router = api_router("prefill")
 
 
 class PrefillRequest(Sampling):
     """Exactly one of `prompt` (one text), `prompts` (texts) or `input_ids` (one or many)."""
 
-    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    model: ModelName = None
     prompt: Text | None = None
     prompts: list[Text] | None = Field(None, min_length=1)
     input_ids: TokenIds | list[TokenIds] | None = Field(None, min_length=1)

@@ -7,11 +7,11 @@ import math
 from typing import Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from service.api.deps import State, json_answer, logprob_count, require_api_key
+from service.api.deps import State, api_router, json_answer, logprob_count
 from service.api.errors import BadInput
 from service.api.prompts import (
     check_vocab,
@@ -21,18 +21,18 @@ from service.api.prompts import (
     tokenized,
     too_long,
 )
-from service.api.schemas import Body, PromptTokensDetails, Text, TokenIds
+from service.api.schemas import Body, ModelName, PromptTokensDetails, Text, TokenIds
 from service.api.state import AppState
 from service.engine.interface import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 from service.engine.pages import common_prefix
 
-router = APIRouter(prefix="/v1", tags=["score"], dependencies=[Depends(require_api_key)])
+router = api_router("score", fast_json=False)
 
 
 class ScoreRequest(Body):
     """SGLang's /v1/score body: items scored as `query + item` (`item + query` with item_first)."""
 
-    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    model: ModelName = None
     query: Text | TokenIds | None = Field(None, description=(
         "Text, or token ids (then items are token ids too); empty: the items are whole prompts."))
     items: Text | list[Text] | list[TokenIds] | None = None

@@ -7,18 +7,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from service.api.bodies import FastJSONRoute
-from service.api.deps import State, json_answer, logprob_count, require_api_key
+from service.api.deps import State, api_router, json_answer, logprob_count
 from service.api.errors import BadInput
 from service.api.openai.chat_template import generation_prompt, render, texts
 from service.api.openai.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.openai.schemas import ChatMessage, CompletionUsage, PromptLogprob
 from service.api.prompts import encode_texts, named_ids, run_prompts, sampling_params, tokenized
-from service.api.schemas import PromptTokensDetails, Sampling, Text, TokenIds
+from service.api.schemas import ModelName, PromptTokensDetails, Sampling, Text, TokenIds
 from service.api.state import AppState
 from service.config import clip
 from service.engine.interface import (
@@ -29,14 +28,13 @@ from service.engine.interface import (
     PromptResult,
 )
 
-router = APIRouter(prefix="/v1", tags=["chat"], dependencies=[Depends(require_api_key)],
-                   route_class=FastJSONRoute)
+router = api_router("chat")
 
 
 class ChatCompletionRequest(Sampling):
     """OpenAI's chat completions request with vLLM's extra fields; max_tokens 0 or 1."""
 
-    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    model: ModelName = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
                                    description="0 or 1 (default 1) in this service.")

@@ -9,12 +9,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from service.api.bodies import FastJSONRoute
-from service.api.deps import State, json_answer, logprob_count, require_api_key
+from service.api.deps import State, api_router, json_answer, logprob_count
 from service.api.errors import BadInput
 from service.api.openai.choices import PREFILL_ONLY, outcome, prompt_logprobs_by_id, token_namer
 from service.api.openai.schemas import CompletionUsage, PromptLogprob
@@ -26,7 +25,7 @@ from service.api.prompts import (
     sampling_params,
     tokenized,
 )
-from service.api.schemas import PromptTokensDetails, Sampling, Text, TokenIds
+from service.api.schemas import ModelName, PromptTokensDetails, Sampling, Text, TokenIds
 from service.api.state import AppState
 from service.engine.interface import (
     MAX_INT32,
@@ -36,14 +35,13 @@ from service.engine.interface import (
     PromptResult,
 )
 
-router = APIRouter(prefix="/v1", tags=["completions"], dependencies=[Depends(require_api_key)],
-                   route_class=FastJSONRoute)
+router = api_router("completions")
 
 
 class CompletionRequest(Sampling):
     """The OpenAI legacy completions request, limited to what one prefill can answer."""
 
-    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    model: ModelName = None
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
                                    description="0 or 1 (default 1) in this service.")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from service.api.deps import State, require_api_key
+from service.api.deps import State, api_router
 from service.api.prompts import require_ready
 
-router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_api_key)])
+router = api_router("models", fast_json=False)
 
 
 class ModelCard(BaseModel):

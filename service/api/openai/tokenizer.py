@@ -8,32 +8,31 @@ import itertools
 from typing import Any
 
 import msgspec
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from service.api.bodies import FastJSONRoute, parse_body
+from service.api.bodies import parse_body
 from service.api.deps import (
     JSON_PIECE,
     State,
+    api_router,
     json_array,
     json_ids,
     json_response,
     parts_response,
-    require_api_key,
 )
 from service.api.errors import BadInput
 from service.api.openai.chat_template import generation_prompt, render
 from service.api.openai.schemas import ChatMessage
 from service.api.prompts import check_model, check_vocab, off_loop
-from service.api.schemas import Body, Text, TokenIds
+from service.api.schemas import Body, ModelName, Text, TokenIds
 from service.api.state import AppState
 from service.engine.interface import NotReady
 from service.model.text_pieces import RunTooLong
 from service.model.tokenizer_export import tokenizer_config
 
-router = APIRouter(tags=["tokenizer"], dependencies=[Depends(require_api_key)],
-                   route_class=FastJSONRoute)
+router = api_router("tokenizer", prefix="")
 
 # fields of the chat form only (vLLM's TokenizeChatRequest)
 CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
@@ -43,7 +42,7 @@ CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template
 class TokenizeRequest(Body):
     """One of `prompt` (vLLM's TokenizeCompletionRequest) or `messages` (TokenizeChatRequest)."""
 
-    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    model: ModelName = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, description=(
         "A chat, rendered with the model's own chat template, then tokenized."))
@@ -82,7 +81,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(Body):
-    model: Text | None = Field(None, description="Optional; must name the served model if set.")
+    model: ModelName = None
     tokens: TokenIds
 
 
