@@ -176,15 +176,14 @@ def metrics_e2e(d: dict) -> dict:
     lower is better, 0 informational."""
     out = {}
     for r in d.get("rows", []):
-        v = r.get("ours-graph")
-        if not v:
-            continue
-        out[("prefill tok/s (ours-graph)", f"{r['model']} {r['case']}")] = (
-            v["tok_s"], "tok/s", +1, v.get("mode"))
+        for variant, v in r.items():
+            if variant.startswith("ours-") and v:
+                out[(f"prefill tok/s ({variant})", f"{r['model']} {r['case']}")] = (
+                    v["tok_s"], "tok/s", +1, v.get("mode"))
     for model, m in (d.get("memory") or {}).items():
         if not m:
             continue
-        g = "engine memory (ours-graph engine)"
+        g = "engine memory (ours-graph engines)"
         out[(g, f"{model} capture MB")] = (m["capture_bytes"] / MB, "MB", -1, None)
         out[(g, f"{model} KV tokens")] = (m["kv_tokens"], "tokens", +1, None)
         out[(g, f"{model} graphs")] = (m.get("graphs"), "graphs", 0, None)

@@ -1,5 +1,6 @@
-"""llmcompressor's FP8_BLOCK checkpoint on CUDA: loaded in bf16, served from the engine's graphs,
-against the same checkpoint's exact W8A8 result (fp32, reference kernels, on the CPU)."""
+"""llmcompressor's FP8_BLOCK checkpoint on CUDA, served from the engine's graphs in bf16: its error
+against the exact W8A8 result (fp32, reference kernels) stays within 1.5x of the bf16 reference
+path's, as tests/model/test_fp8_gpu.py measures the GPU path."""
 
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
 def test_fp8_block_checkpoint_serves_from_graphs(tmp_path):
     path = checkpoint(tmp_path)
     exact = load_model(path, "cpu", torch.float32)
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 130, 200)]
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 130, 200)]
     want = Prefiller(exact.model).last_logits(prompts)
+    ref = Prefiller(load_model(path, "cpu", torch.bfloat16).model).last_logits(prompts)
     loaded = load_model(path, "cuda", torch.bfloat16)
     lin = loaded.model.layers[0].qkv_proj
     assert isinstance(lin, Fp8Linear) and lin.block and lin._triton(torch.empty(1, device="cuda"))
@@ -32,10 +38,11 @@ def test_fp8_block_checkpoint_serves_from_graphs(tmp_path):
                         loaded=loaded)
     try:
         assert engine.info().quantization == LABEL
-        for p, w in zip(prompts, want):
+        for p, w, r in zip(prompts, want, ref):
             got = engine.prefill_chunked(p).float().cpu()
             assert torch.isfinite(got).all()
-            assert ((got - w).norm() / w.norm()).item() < 2e-2
+            err, err_ref = _rel(got, w), _rel(r.float(), w)
+            assert err <= max(1.5 * err_ref, 1e-2), f"{len(p)} tokens: {err:.3g} vs {err_ref:.3g}"
         assert engine.forward_counts["graph"] == len(prompts)
     finally:
         engine.close()
