@@ -65,6 +65,12 @@ class Settings(BaseSettings):
     prefix_cache: bool = Field(True, description=(
         "Keep finished prompts' full KV pages (LRU-evictable) and reuse them for later prompts "
         "with the same prefix; `cached_tokens` reports the reuse."))
+    pooling: Literal["last", "mean", "cls", "none"] | None = Field(
+        None, **_shown("the checkpoint's sentence-transformers files, else none"), description=(
+        "`last`, `mean`, `cls` or `none`: how `/v1/embeddings` pools the final-norm hidden "
+        "states; set on a causal LM it embeds as vLLM's `--convert embed` does."))
+    normalize: bool | None = Field(None, **_shown("the checkpoint's Normalize module"),
+                                   description="L2-normalize embeddings.")
     kv_cache_bytes: int | None = Field(None, ge=1 << 20,
                                        **_shown("two prompts of the longest accepted length"),
                                        description=(
@@ -158,7 +164,7 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(quant.settings())}")
         return v
 
-    @field_validator("log_level", "device", "dtype", "quantization", mode="before")
+    @field_validator("log_level", "device", "dtype", "quantization", "pooling", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         """Operators write INFO or CUDA as often as info or cuda."""
@@ -226,6 +232,8 @@ class EngineConfig:
     max_batch_prompts: int
     page_size: int
     prefix_cache: bool
+    pooling: str | None
+    normalize: bool | None
     kv_cache_bytes: int | None
     cuda_graph_max_tokens: int
     cuda_graph_buckets: tuple[int, ...] | None

@@ -32,6 +32,7 @@ class PromptTimes(Protocol):
 
 REQUEST_STATUSES = ("ok", "bad_request", "rejected", "error", "cancelled", "unauthorized")
 FORWARD_MODES = ("graph", "eager")
+TASKS = ("embed", "rerank", "classify", "score")
 
 # snapshot key -> (metric name, help). Missing keys read as 0 (e.g. while loading).
 ENGINE_GAUGES: dict[str, tuple[str, str]] = {
@@ -150,6 +151,11 @@ class Metrics:
             "prefill_score_shared_tokens",
             "Query tokens not prefilled again: prefilled once for all of a request's items.",
             ["model_name"], registry=r).labels(**m)
+        tasks = {name: Counter(f"prefill_task_{name}", text, ["task", "model_name"], registry=r)
+                 for name, text in (("requests", "Retrieval requests answered, by task."),
+                                    ("items", "Inputs answered, by task."),
+                                    ("tokens", "Prompt tokens of those inputs, by task."))}
+        self.task = {name: {t: c.labels(task=t, **m) for t in TASKS} for name, c in tasks.items()}
         self.requests = {s: self._requests.labels(status=s, **m) for s in REQUEST_STATUSES}
         self.forwards = {f: forwards.labels(mode=f, **m) for f in FORWARD_MODES}
         self.forward_seconds = {f: forward_seconds.labels(mode=f, **m) for f in FORWARD_MODES}
@@ -172,6 +178,11 @@ class Metrics:
             self.ttft.observe(r.queue_s + r.prefill_s)  # arrival in the engine to first token
         self.prompt_tokens.inc(sum(r.prompt_tokens for r in results))
         self.cached_tokens.inc(sum(r.cached_tokens for r in results))
+
+    def on_task(self, task: str, items: int, tokens: int) -> None:
+        """One retrieval answer: `items` inputs of `tokens` prompt tokens in all."""
+        for name, n in (("requests", 1), ("items", items), ("tokens", tokens)):
+            self.task[name][task].inc(n)
 
     def on_score(self, items: int, shared: int) -> None:
         """One /v1/score answer: `items` scored over a query of `shared` tokens prefilled once."""

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import APIRouter, FastAPI
 
-from service.api import errors, native, openai, probes
+from service.api import errors, native, openai, probes, retrieval
 from service.api.engine_client import EngineClient
 from service.api.middleware import BodyLimit, Guard
 from service.api.state import AppState
@@ -15,7 +15,7 @@ from service.config import EngineConfig, ServerConfig
 from service.metrics import Metrics
 from service.model.tokenizer import TextTokenizer
 
-ROUTERS = (probes.router, *native.ROUTERS, *openai.ROUTERS)
+ROUTERS = (probes.router, *native.ROUTERS, *openai.ROUTERS, *retrieval.ROUTERS)
 
 
 def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: EngineClient,

@@ -21,6 +21,7 @@ T = TypeVar("T")
 
 # Bodies up to this size are tokenized on the event loop; larger ones in a worker thread
 INLINE_BODY_BYTES = 2048
+NO_HEAD = "this checkpoint has no LM head; it serves /v1/embeddings"
 BIG_BODY_BYTES = 1 << 20  # larger bodies take turns (AppState.big_inputs): one's memory at once
 
 
@@ -179,6 +180,8 @@ async def run_prompts(state: AppState, http: HTTPRequest, prompts: list[list[int
     """Await all prompts as one engine request (cancelled if the client goes); `shared` > 0:
     the prompts' first `shared` tokens are the same, prefilled once."""
     require_ready(state)
+    if not params.pool and not state.engine.info.lm_head:
+        raise BadInput(NO_HEAD, "model")
     rid, results = state.engine.submit(prompts, params, shared)
     state.active_requests += 1
     watcher = asyncio.ensure_future(_wait_disconnect(http.receive))

@@ -27,6 +27,7 @@ class SeqChunk:
     all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
     named: tuple[int, ...] = ()  # tokens whose logprobs at the last row the forward reduces
     hidden: bool = False  # its last row's final-norm hidden state goes to the host
+    pool: str = ""  # mean: the sum of its final-norm rows goes to the host; cls: its first row
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ids, np.ndarray) and self.ids.dtype == np.int64):
@@ -45,9 +46,9 @@ class SeqChunk:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SeqChunk):
             return NotImplemented
-        return (self.prefix_len, self.pages, self.all_logits, self.named, self.hidden) == (
-            other.prefix_len, other.pages, other.all_logits, other.named, other.hidden
-        ) and np.array_equal(self.ids, other.ids)
+        return (self.prefix_len, self.pages, self.all_logits, self.named, self.hidden,
+                self.pool) == (other.prefix_len, other.pages, other.all_logits, other.named,
+                               other.hidden, other.pool) and np.array_equal(self.ids, other.ids)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class PrefillBatch:
     summary: HostCopy | None = None  # (B, summary_width) when a full graph reduced the last rows
     layout: tuple | None = None  # when staged: equal layouts share device addresses
     hidden: torch.Tensor | None = None  # (logits rows, hidden) the head's normed rows, if asked
+    pooled: torch.Tensor | None = None  # (chunks asking `pool`, hidden) fp32
 
     @property
     def num_tokens(self) -> int:

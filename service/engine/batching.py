@@ -59,7 +59,8 @@ def form_batch(running: list[Prompt], waiting: deque[Prompt], cache: PrefixCache
             if r.keys is None:
                 r.keys = page_keys(r.ids, ps) if cache.enabled else []
             # prompt logprobs need every position's logits; the last token is always computed
-            reuse = ([] if r.params.prompt_logprobs
+            # mean/cls pooling reads every row's hidden state, which a cached prefix skips
+            reuse = ([] if r.params.prompt_logprobs or r.params.pool in ("mean", "cls")
                      else cache.match(r.keys, (r.num_tokens - 1) // ps))
         need = pages_for(r.num_tokens, ps) - len(reuse)
         if need > cache.available_pages:

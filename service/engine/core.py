@@ -30,6 +30,7 @@ from service.engine.placement import prepared
 from service.engine.runners.capture import capture, eager_peak, settle
 from service.engine.sampling import LastRow, named_rows, summarize, unpack
 from service.model.loader import LoadedModel, load
+from service.model.pooling import resolve
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +45,25 @@ class ForwardOutput(NamedTuple):
     mode: str
     seconds: float
     hidden: dict[int, torch.Tensor] = {}  # chunk -> its last row's final-norm hidden (host)
+    pooled: dict[int, torch.Tensor] = {}  # chunk -> its `pool` reduction, fp32 (host)
 
 
 class Launched:
     """A queued forward; its logits are its own, so the next may launch before its `wait()`."""
 
-    __slots__ = ("logits", "summary", "named", "hidden", "mode", "t0")
+    __slots__ = ("logits", "summary", "named", "hidden", "pooled", "mode", "t0")
 
     def __init__(self, logits: list[torch.Tensor], summary: HostCopy | None, mode: str,
                  t0: float, named: tuple[list[int], HostCopy] | None = None,
-                 hidden: tuple[list[int], HostCopy] | None = None):
+                 hidden: tuple[list[int], HostCopy] | None = None,
+                 pooled: tuple[list[int], HostCopy] | None = None):
         self.logits, self.summary, self.mode, self.t0 = logits, summary, mode, t0
-        self.named, self.hidden = named, hidden
+        self.named, self.hidden, self.pooled = named, hidden, pooled
 
     def ready(self) -> bool:
         return all(c is None or c.ready() for c in (self.summary, self.named and self.named[1],
-                                                    self.hidden and self.hidden[1]))
+                                                    self.hidden and self.hidden[1],
+                                                    self.pooled and self.pooled[1]))
 
     def wait(self) -> ForwardOutput:
         last = unpack(self.summary.get()) if self.summary is not None else []
@@ -67,10 +71,13 @@ class Launched:
             chunks, copy = self.named
             for i, vals in zip(chunks, copy.get().tolist()):
                 last[i].named = vals
-        hidden = {}
+        hidden, pooled = {}, {}
         if self.hidden is not None:
             hidden = dict(zip(self.hidden[0], self.hidden[1].get().unbind(0)))
-        return ForwardOutput(self.logits, last, self.mode, time.perf_counter() - self.t0, hidden)
+        if self.pooled is not None:
+            pooled = dict(zip(self.pooled[0], self.pooled[1].get().unbind(0)))
+        return ForwardOutput(self.logits, last, self.mode, time.perf_counter() - self.t0, hidden,
+                             pooled)
 
 
 def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_positions: int
@@ -118,9 +125,11 @@ class EngineCore:
         """The model with its QUANTIZATION scheme applied, prepared for this placement."""
         cfg = self.cfg
         loaded = prepared(loaded or load(cfg.model_path, cfg.model_preset, self.device,
-                                         self.dtype), cfg, self.placement)
+                                         self.dtype, cfg.pooling), cfg, self.placement)
         self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.model_path, self.precision = str(loaded.path), self.model.scheme.label
+        self.pooling = resolve(loaded.path, cfg.pooling, cfg.normalize)
+        self.lm_head = loaded.lm_head
 
     def _build_runners(self) -> None:
         """The forward stream and this placement's runners, graphs not yet captured."""
@@ -212,7 +221,8 @@ class EngineCore:
                                        if self.device.type == "cuda" else "cpu"),
                           kv_bytes_per_token=c.kv_bytes_per_token(size),
                           windowed_kv_bytes_per_token=c.kv_bytes_per_token(size, True),
-                          quantization=self.precision)
+                          quantization=self.precision, pooling=self.pooling.mode,
+                          normalize=self.pooling.normalize, lm_head=self.lm_head)
 
     @property
     def max_batch_tokens(self) -> int:
@@ -245,8 +255,12 @@ class EngineCore:
         if asking := [i for i, c in enumerate(chunks) if c.hidden]:
             rows = torch.tensor([batch.logits_rows[i][1] - 1 for i in asking])
             hidden = asking, HostCopy(batch.hidden.index_select(0, to_device(rows, self.device)))
+        pooled = None
+        if asking := [i for i, c in enumerate(chunks) if c.pool]:
+            assert batch.pooled is not None, f"runner {runner.name} ran a pooling chunk"
+            pooled = asking, HostCopy(batch.pooled)
         return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0, named,
-                        hidden)
+                        hidden, pooled)
 
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
         return self.launch(chunks).wait()

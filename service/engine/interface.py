@@ -10,6 +10,7 @@ MAX_LOGPROB_TOKEN_IDS = 256  # named tokens whose logprobs one request may ask f
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 1e4
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range
+POOL_MODES = ("", "last", "mean", "cls")
 MAX_INT32 = (1 << 31) - 1  # token ids and top_k: what crosses the sockets as int32 or msgpack
 
 
@@ -73,6 +74,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these may come first
     banned_token_ids: tuple[int, ...] = ()  # never first (min_tokens: the stop tokens)
+    pool: str = ""  # last | mean | cls: the prompt's pooled final-norm hidden state comes back
 
     def __post_init__(self) -> None:
         # NOTE: ValueError, not assert: msgspec reports it as the decoded message's invalid field
@@ -96,6 +98,8 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
                              f"got {self.repetition_penalty}")
+        if self.pool not in POOL_MODES:
+            raise ValueError(f"pool must be one of {POOL_MODES}, got {self.pool!r}")
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
             raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
                              f"{MAX_LOGIT_BIAS:g}]")
@@ -130,6 +134,7 @@ class PromptResult(NamedTuple):
     prompt_logprobs: list[PositionLogprobs] | None  # positions 1..n-1 (position 0 has none)
     queue_s: float
     prefill_s: float
+    embedding: bytes | None = None  # SamplingParams.pool's vector, float32 little-endian
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,9 @@ class EngineInfo:
     kv_bytes_per_token: int = 0  # K and V of every layer, windowed layers included
     windowed_kv_bytes_per_token: int = 0  # the windowed (sliding-attention) layers' share
     quantization: str = "none"  # the projections' precision when not the model's dtype
+    pooling: str = ""  # last | mean | cls when /v1/embeddings is served (POOLING)
+    normalize: bool = False
+    lm_head: bool = True  # False: a head-less embedding checkpoint; generation is refused
 
 
 @dataclass(frozen=True)

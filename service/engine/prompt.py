@@ -45,7 +45,8 @@ class Prompt:
         self.keys = keys  # prefix-cache keys of the full pages (None: not computed yet)
         self.prompt_lps: list[PositionLogprobs] = []
         self.cancelled = False
-        self.wants_hidden = False
+        self.wants_hidden = params.pool == "last"
+        self.pool_sum: torch.Tensor | None = None  # mean: the rows' sum so far; cls: row 0
         # A prompt reading a shared query's KV: the query, and the tokens it shares
         self.base: Prompt | None = None
         self.shared = 0
@@ -64,9 +65,11 @@ class Prompt:
         start, end = self.done, self.done + n
         self.done = end
         named = self.params.logprob_token_ids if end == self.num_tokens else ()
+        pool = self.params.pool if self.params.pool == "mean" or (
+            self.params.pool == "cls" and start == 0) else ""
         return SeqChunk(self.ids[start:end], start, tuple(self.pages[:pages_for(end, page_size)]),
                         self.params.prompt_logprobs, named,
-                        self.wants_hidden and end == self.num_tokens)
+                        self.wants_hidden and end == self.num_tokens, pool)
 
     def own_pages(self, page_size: int) -> list[int]:
         """The pages this prompt frees: not its shared query's, which the query keeps."""
@@ -79,10 +82,13 @@ class Prompt:
             release(self.group_pages)
             self.group_pages = []
 
-    def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow
+    def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow,
+               hidden: torch.Tensor | None = None, pooled: torch.Tensor | None = None
                ) -> PromptResult | None:
         """Chunk `c`'s forward; the result once the prompt's last chunk is in."""
         end = c.prefix_len + c.num_tokens
+        if pooled is not None:
+            self.pool_sum = pooled if self.pool_sum is None else self.pool_sum + pooled
         last = end == self.num_tokens
         if self.params.prompt_logprobs:
             targets = self.ids[c.prefix_len + 1:min(end + 1, self.num_tokens)].tolist()
@@ -95,7 +101,19 @@ class Prompt:
         now = time.perf_counter()
         return PromptResult(self.num_tokens, self.cached, first,
                             self.prompt_lps if self.params.prompt_logprobs else None,
-                            self.admitted_at - self.arrival, now - self.admitted_at)
+                            self.admitted_at - self.arrival, now - self.admitted_at,
+                            self.embedding(hidden))
+
+    def embedding(self, hidden: torch.Tensor | None) -> bytes | None:
+        """The pooled vector as float32 little-endian bytes (None: not asked)."""
+        pool = self.params.pool
+        if not pool:
+            return None
+        vec = hidden if pool == "last" else self.pool_sum
+        assert vec is not None, f"pool={pool}: the forward returned no pooled rows"
+        if pool == "mean":
+            vec = vec / self.num_tokens
+        return vec.float().numpy().astype("<f4").tobytes()
 
 
 def shared_query(prompts: Sequence[np.ndarray], shared: int, params: SamplingParams,

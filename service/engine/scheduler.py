@@ -136,7 +136,7 @@ class Scheduler:
                                           f"({alloc.capacity * ps} tokens)")
             if self.hook is not None:
                 for r in reqs:
-                    r.wants_hidden = self.hook.wants_hidden(r)
+                    r.wants_hidden = r.wants_hidden or self.hook.wants_hidden(r)
             self._waiting.extend(reqs)
             self._queue_changed()
             self._cv.notify()

@@ -290,8 +290,13 @@ class DecoderModel(nn.Module):
             return logits
         return torch.tanh(logits.float() / cap).mul_(cap)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
-                picked: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: ForwardMeta) -> torch.Tensor:
+        """Every row's final-norm hidden state (T, D)."""
         acts = Activations.empty(self.cfg, input_ids, positions, self.dtype)
         self.run(acts, Eager(lambda i: self.attn(i, acts.qkv, meta, out=acts.attn)))
-        return self.logits(acts.hidden, meta, picked)
+        return acts.hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
+                picked: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, positions, meta), meta, picked)

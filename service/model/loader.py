@@ -13,7 +13,7 @@ import torch
 from service.model.config import ModelConfig, model_name
 from service.model.decoder import DecoderModel
 from service.model.errors import ModelLoadError
-from service.model.families import preset
+from service.model.families import family, preset
 from service.model.files import (
     default_model_path,
     gguf_metadata,
@@ -23,9 +23,10 @@ from service.model.files import (
 )
 from service.model.loader_gguf import ROPE_FREQS, config_from_gguf, gguf_tensors, rope_freq_scaling
 from service.model.loader_hf import read_safetensors
+from service.model.pooling import is_pooling_checkpoint
 from service.model.quant import of_checkpoint
 from service.model.tokenizer import TextTokenizer, load_hf_tokenizer, tokenizer_from_gguf
-from service.model.weights import load_hf_state
+from service.model.weights import decoder_prefix, load_hf_state
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +41,36 @@ class LoadedModel:
     cfg: ModelConfig
     path: Path
     load_seconds: float
+    lm_head: bool = True  # False: a pooling checkpoint saved without one (generation refused)
+
+
+def _head_less(cfg: ModelConfig, tensors: dict, where: str, pooling: str | None, path: Path
+               ) -> tuple[ModelConfig, bool]:
+    """A head-less pooling checkpoint runs its embedding as head; the API refuses generation."""
+    if not is_pooling_checkpoint(path, pooling):
+        return cfg, False
+    bare = decoder_prefix(family(cfg.arch), tensors, where) == ""
+    headless = bare or (not cfg.tie_word_embeddings and "lm_head.weight" not in tensors)
+    if headless and not cfg.tie_word_embeddings:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    return cfg, headless
 
 
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, attn_backend: str | None = None) -> LoadedModel:
+               dtype: torch.dtype | None = None, attn_backend: str | None = None,
+               pooling: str | None = None) -> LoadedModel:
     """Load weights onto `device` in `dtype` (default: bf16 on CUDA, fp32 on CPU)."""
     t0 = time.perf_counter()
     path = Path(path) if path else default_model_path()
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     attn_backend = attn_backend or ("triton" if device.type == "cuda" else "torch")
-    scheme = None
+    scheme, headless = None, False
     if path.is_dir() and (path / "config.json").is_file():
         cfg, raw = read_hf_config(path)
         scheme = of_checkpoint(raw, str(path / "config.json"))
         tensors = read_safetensors(path)
+        cfg, headless = _head_less(cfg, tensors, str(path), pooling, path)
         tokenizer = load_hf_tokenizer(path, raw)
         where = str(path)
     elif path.is_dir():
@@ -62,7 +78,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         if len(ggufs) != 1:
             raise ModelLoadError(
                 f"{path}: no config.json, and {len(ggufs)} .gguf files (need exactly one)")
-        return load_model(ggufs[0], device, dtype, attn_backend)
+        return load_model(ggufs[0], device, dtype, attn_backend, pooling)
     elif path.suffix == ".gguf" or path.is_file():
         reader = read_gguf(path)
         meta = gguf_metadata(reader)
@@ -86,7 +102,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     secs = time.perf_counter() - t0
     log.info("loaded %s from %s (%s, %d layers) on %s in %s in %.2fs", model_name(str(path)),
              path, cfg.arch, cfg.num_layers, device, dtype, secs)
-    return LoadedModel(model, tokenizer, cfg, path, secs)
+    return LoadedModel(model, tokenizer, cfg, path, secs, not headless)
 
 
 def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
@@ -111,10 +127,10 @@ def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
 
 
 def load(path: str | None, preset_name: str | None, device: torch.device,
-         dtype: torch.dtype) -> LoadedModel:
+         dtype: torch.dtype, pooling: str | None = None) -> LoadedModel:
     """The checkpoint at `path`, or random `preset_name` weights with its tokenizer."""
     if preset_name is None:
-        return load_model(path, device, dtype)
+        return load_model(path, device, dtype, pooling=pooling)
     t0 = time.perf_counter()
     where = Path(path) if path else default_model_path()
     cfg = preset(preset_name)

@@ -153,6 +153,15 @@ class TextTokenizer:
                 last = ids
         raise AssertionError("tail_starts ends with the whole text")
 
+    def special_ends(self) -> tuple[list[int], list[int]]:
+        """The post-processor's tokens before and after a text (Qwen3-Embedding's <|endoftext|>)."""
+        plain = self.tok.encode("a", add_special_tokens=False).ids
+        full = self.tok.encode("a", add_special_tokens=True).ids
+        i = next((i for i in range(len(full)) if full[i:i + len(plain)] == plain), None)
+        if i is None:
+            return [], []
+        return full[:i], full[i + len(plain):]
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         # NOTE: decode_batch, not decode: it releases the GIL
         return self.tok.decode_batch([list(ids)], skip_special_tokens=skip_special)[0]

@@ -23,8 +23,9 @@ def _take(tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
     return t
 
 
-def _prefix(fam: Family, tensors: Mapping[str, torch.Tensor], where: str) -> str:
-    for p in fam.prefixes:
+def decoder_prefix(fam: Family, tensors: Mapping[str, torch.Tensor], where: str) -> str:
+    """The family's prefix the checkpoint uses; "" when saved from the bare decoder (XModel)."""
+    for p in (*fam.prefixes, ""):
         if p + "embed_tokens.weight" in tensors:
             return p
     raise ModelLoadError(f"{where}: missing tensor {fam.prefixes[0] + 'embed_tokens.weight'!r}")
@@ -37,7 +38,7 @@ def load_hf_state(model: DecoderModel, tensors: Mapping[str, torch.Tensor], wher
     c = model.cfg
     fam = family(c.arch)
     h, f, qs, kvs, d = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.head_dim
-    pre = _prefix(fam, tensors, where)
+    pre = decoder_prefix(fam, tensors, where)
 
     def put(param: torch.Tensor, *parts: torch.Tensor) -> None:
         src = parts[0] if len(parts) == 1 else torch.cat(parts, 0)

@@ -1,5 +1,5 @@
 """OpenAI's API as vLLM serves it (completions, chat, models, tokenizer); its pooling routes
-(/v1/embeddings, /v1/rerank, /classify, /pooling) join here, a module and a line each."""
+(/v1/embeddings and the rest) live in service/api/retrieval/."""
 
 from service.api.openai import chat, completions, models, tokenizer
 

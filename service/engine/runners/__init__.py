@@ -38,6 +38,25 @@ def with_hidden(batch: PrefillBatch, picked: torch.Tensor | None) -> PrefillBatc
     return batch if picked is None else dataclasses.replace(batch, hidden=picked)
 
 
+def pools(chunks: Chunks) -> bool:
+    """Whether a chunk asks for mean/cls pooling: every row's hidden state, which only the
+    eager runner keeps."""
+    return any(c.pool for c in chunks)
+
+
+def pooled_rows(hidden: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+    """Per chunk asking `pool`: fp32 (D,) sum of its rows (mean) or its first row (cls)."""
+    out, start = [], 0
+    for c in chunks:
+        rows = hidden[start:start + c.num_tokens]  # (n, D)
+        start += c.num_tokens
+        if c.pool == "mean":
+            out.append(rows.float().sum(0))
+        elif c.pool == "cls":
+            out.append(rows[0].float())
+    return torch.stack(out)  # (asking, D)
+
+
 @contextmanager
 def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Run on `stream`, ordered after the caller's stream's earlier work and before its later."""

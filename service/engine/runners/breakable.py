@@ -8,7 +8,14 @@ from collections.abc import Callable
 import torch
 
 from service.engine.batch import BatchStaging, PrefillBatch, build_batch
-from service.engine.runners import Chunks, gc_paused, on_stream, picked_rows, with_hidden
+from service.engine.runners import (
+    Chunks,
+    gc_paused,
+    on_stream,
+    picked_rows,
+    pools,
+    with_hidden,
+)
 from service.engine.runners.buckets import Buckets
 from service.engine.runners.buffers import StaticBuffers
 from service.engine.runners.full_buffers import capture_chunks
@@ -74,7 +81,7 @@ class BreakableRunner:
         return self.bufs.nbytes if self.bufs is not None else 0
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
-        return (self.buckets.use_graph(tokens)
+        return (not pools(chunks) and self.buckets.use_graph(tokens)
                 and self.backend.has(self.buckets.pad_to_bucket(tokens)))
 
     @torch.inference_mode()

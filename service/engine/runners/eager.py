@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from service.engine.batch import BatchStaging, PrefillBatch, build_batch
-from service.engine.runners import Chunks, on_stream, picked_rows, with_hidden
+from service.engine.runners import (
+    Chunks,
+    on_stream,
+    picked_rows,
+    pooled_rows,
+    pools,
+    with_hidden,
+)
 from service.model.decoder import DecoderModel
 from service.model.meta import KVCache
 
@@ -29,6 +38,10 @@ class EagerRunner:
             picked = picked_rows(self.model, batch, chunks)
             if batch.num_tokens == 0:
                 logits = torch.empty(0, self.model.cfg.vocab_size, device=self.device)
+            elif pools(chunks):
+                h = self.model.hidden_states(batch.input_ids, batch.positions, batch.meta)
+                logits = self.model.logits(h, batch.meta, picked)
+                batch = dataclasses.replace(batch, pooled=pooled_rows(h, chunks))
             else:
                 logits = self.model(batch.input_ids, batch.positions, batch.meta, picked)
         return logits, with_hidden(batch, picked), "eager"

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from service.engine.batch import PrefillBatch
-from service.engine.runners import Chunks, gc_paused, on_stream, with_hidden
+from service.engine.runners import Chunks, gc_paused, on_stream, pools, with_hidden
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.runners.full_buffers import FullBuffers, capture_chunks
 from service.engine.sampling import summarize
@@ -95,7 +95,7 @@ class FullGraphRunner:
                 + self.hidden.numel() * self.hidden.element_size())
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
-        if self.bufs is None or not self.graphs.buckets.use_graph(tokens):
+        if self.bufs is None or pools(chunks) or not self.graphs.buckets.use_graph(tokens):
             return False
         n = self.graphs.buckets.pad_to_bucket(tokens)
         return self.backend.has(("full", n)) and self.bufs.fits(chunks, n)

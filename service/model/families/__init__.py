@@ -53,9 +53,11 @@ def gguf_archs() -> list[str]:
 def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """The ModelConfig of a checkpoint's config.json, or UnsupportedArchitecture."""
     archs = raw.get("architectures") or []
+    # the bare decoder (LlamaModel, Qwen3Model) as sentence-transformers saves it: by model_type
+    by_type = all(str(a).endswith("Model") for a in archs)
     for f in FAMILIES.values():
         if any(a in f.architectures for a in archs) or (
-                not archs and raw.get("model_type") in f.model_types):
+                by_type and raw.get("model_type") in f.model_types):
             return ModelConfig(**{**f.from_hf(HFConfig(raw, where)), **f.traits})
     raise UnsupportedArchitecture(
         f"{where}: unsupported architecture {archs or raw.get('model_type')!r}; supported: "

@@ -1,0 +1,101 @@
+"""POST /v1/embeddings: OpenAI's shape as vLLM serves it, pooled in the engine's forward."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Literal
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import Field
+
+from service.api.deps import State, api_router, json_answer
+from service.api.errors import BadInput
+from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
+from service.api.schemas import Body, ModelName, Text, TokenIds
+from service.api.state import AppState
+from service.engine.interface import MAX_INT32, PromptResult, SamplingParams
+
+router = api_router("retrieval")
+
+
+class EmbeddingRequest(Body):
+    model: ModelName = None
+    input: Text | list[Text] | TokenIds | list[TokenIds] = Field(description=(
+        "A text, texts, one prompt's token ids, or several prompts' token ids."))
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Keep the first n values, then "
+                                   "normalize (Matryoshka).")
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32, description=(
+        "Keep only each input's last k tokens; -1: the longest prompt served. Unset: an "
+        "over-long input is a 400."))
+    add_special_tokens: bool = True
+
+
+def input_ids(state: AppState, body: EmbeddingRequest) -> list[list[int]]:
+    inp, cut = body.input, body.truncate_prompt_tokens
+    if cut == 0:
+        raise BadInput("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
+    if isinstance(inp, str) or inp and isinstance(inp[0], str):
+        return with_specials(state, inp, cut) if body.add_special_tokens else encode_texts(
+            state, [inp] if isinstance(inp, str) else inp, "input", isinstance(inp, str),
+            False, cut)
+    if not inp:
+        raise BadInput("input is empty", "input")
+    if isinstance(inp[0], int):
+        return check_ids(state, [inp], "input", True, cut)
+    return check_ids(state, inp, "input", False, cut)
+
+
+def with_specials(state: AppState, inp: str | list[str], cut: int | None) -> list[list[int]]:
+    """Texts tokenized with the post-processor's special tokens, as sentence-transformers does;
+    truncation keeps the last tokens, these included."""
+    head, tail = state.tokenizer.special_ends()
+    extra, single = len(head) + len(tail), isinstance(inp, str)
+    keep = None if cut is None else max((state.max_prompt_tokens if cut == -1 else cut) - extra, 1)
+    ids = encode_texts(state, [inp] if single else inp, "input", single, False, keep)
+    return check_ids(state, [head + p + tail for p in ids], "input", single)
+
+
+def vectors(results: list[PromptResult], dims: int | None, normalize: bool) -> np.ndarray:
+    """(n, d) float32: truncated to `dims`, then L2-normalized, as vLLM and TEI do."""
+    out = np.stack([np.frombuffer(r.embedding, dtype="<f4") for r in results])[:, :dims]
+    if normalize:
+        out = out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return out.astype("<f4")
+
+
+def to_response(state: AppState, vecs: np.ndarray, fmt: str, tokens: int) -> dict:
+    data = [{"index": i, "object": "embedding",
+             "embedding": base64.b64encode(v.tobytes()).decode() if fmt == "base64"
+             else v.tolist()} for i, v in enumerate(vecs)]
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": state.model_name, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingRequest, state: State, request: Request) -> Response:
+    """Each input's pooled final-norm hidden state (POOLING), normalized as the model says."""
+    info = state.engine.info
+    if info is not None and not info.pooling:
+        raise BadInput("this model has no pooling: set POOLING=last, mean or cls (or serve a "
+                       "sentence-transformers checkpoint) to serve /v1/embeddings", "model")
+    prompts = await tokenized(state, request, body.model, input_ids, state, body)
+    info = state.engine.info
+    results = await run_prompts(state, request, prompts, SamplingParams(pool=info.pooling))
+    width = len(results[0].embedding) // 4
+    if body.dimensions is not None and body.dimensions > width:
+        raise BadInput(f"dimensions={body.dimensions}: the model's embeddings have {width}",
+                       "dimensions")
+    vecs = vectors(results, body.dimensions, info.normalize)
+    tokens = sum(r.prompt_tokens for r in results)
+    response = await json_answer(vecs.size, lambda: to_response(
+        state, vecs, body.encoding_format, tokens))
+    state.metrics.on_task("embed", len(results), tokens)
+    state.metrics.count("ok")
+    return response
