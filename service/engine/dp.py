@@ -11,7 +11,7 @@ from torch import nn
 from service.config import EngineConfig
 from service.engine.batch import PrefillBatch, build_batch
 from service.engine.placement import OneDevice, Placement, RunnerSet, graph_sizes
-from service.engine.runners import Chunks, on_stream, picked_rows, with_hidden
+from service.engine.runners import Chunks, on_stream, picked_rows, with_hidden, with_pooled
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.runners.buckets import Buckets
 from service.engine.runners.buffers import StaticBuffers
@@ -218,13 +218,15 @@ class DPRunner(BreakableRunner):
                 inputs = self.backend.retained(rows)
                 inputs.fill(counts, rows)
                 self.step.tokens = self._tokens(rows, inputs)
-                return self.forward(batch, picked), with_hidden(batch, picked), "graph"
+                logits = self.forward(batch, picked)
+                return logits, self.with_outputs(batch, picked, chunks), "graph"
             self.step.tokens = self._tokens(rows, DPCaptureInputs.new(counts, rows, self.device))
             if n == 0:
                 return (torch.empty(0, self.cfg.vocab_size, device=self.device), batch,
                         "eager")
-            logits = self.model(batch.input_ids, batch.positions, batch.meta, picked)
-            return logits, with_hidden(batch, picked), "eager"
+            h = self.model.hidden_states(batch.input_ids, batch.positions, batch.meta)
+            logits = self.model.logits(h, batch.meta, picked)
+            return logits, with_pooled(with_hidden(batch, picked), h, chunks), "eager"
 
     def _attend(self, batch: PrefillBatch, v: Activations):  # noqa: ANN202
         if batch.num_tokens == 0:  # a rank with no requests: padding rows only, no attention

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from service.engine.host_copy import to_device
+
 if TYPE_CHECKING:  # service.engine.batch imports this package's packing
     from service.engine.batch import PrefillBatch, SeqChunk
     from service.model.decoder import DecoderModel
@@ -39,22 +41,29 @@ def with_hidden(batch: PrefillBatch, picked: torch.Tensor | None) -> PrefillBatc
 
 
 def pools(chunks: Chunks) -> bool:
-    """Whether a chunk asks for mean/cls pooling: every row's hidden state, which only the
-    eager runner keeps."""
     return any(c.pool for c in chunks)
 
 
-def pooled_rows(hidden: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+def pooled_rows(hidden: torch.Tensor, cu: torch.Tensor, chunks: Chunks) -> torch.Tensor:
     """Per chunk asking `pool`: fp32 (D,) sum of its rows (mean) or its first row (cls)."""
-    out, start = [], 0
-    for c in chunks:
-        rows = hidden[start:start + c.num_tokens]  # (n, D)
-        start += c.num_tokens
-        if c.pool == "mean":
-            out.append(rows.float().sum(0))
-        elif c.pool == "cls":
-            out.append(rows[0].float())
-    return torch.stack(out)  # (asking, D)
+    b, t = len(chunks), sum(c.num_tokens for c in chunks)
+    asking = [(int(c.pool == "cls"), i) for i, c in enumerate(chunks) if c.pool]
+    pick = to_device(torch.tensor(asking, dtype=torch.int64).T.contiguous(), hidden.device)
+    out = torch.zeros(2, b, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    if any(c.pool == "mean" for c in chunks):
+        rows = torch.arange(t, dtype=cu.dtype, device=cu.device)
+        seg = torch.searchsorted(cu[1:b + 1], rows, right=True)  # (t,) each row's chunk
+        out[0].index_add_(0, seg, hidden[:t].float())
+    if any(c.pool == "cls" for c in chunks):
+        out[1] = hidden.index_select(0, cu[:b].clamp(max=max(t - 1, 0))).float()
+    return out[pick[0], pick[1]]  # (asking, D)
+
+
+def with_pooled(batch: PrefillBatch, hidden: torch.Tensor, chunks: Chunks) -> PrefillBatch:
+    """`batch` with its pooled rows reduced from `hidden` (final-norm rows), if a chunk asks."""
+    if not pools(chunks):
+        return batch
+    return dataclasses.replace(batch, pooled=pooled_rows(hidden, batch.meta.cu_seqlens_q, chunks))
 
 
 @contextmanager

@@ -13,8 +13,8 @@ from service.engine.runners import (
     gc_paused,
     on_stream,
     picked_rows,
-    pools,
     with_hidden,
+    with_pooled,
 )
 from service.engine.runners.buckets import Buckets
 from service.engine.runners.buffers import StaticBuffers
@@ -81,7 +81,7 @@ class BreakableRunner:
         return self.bufs.nbytes if self.bufs is not None else 0
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
-        return (not pools(chunks) and self.buckets.use_graph(tokens)
+        return (self.buckets.use_graph(tokens)
                 and self.backend.has(self.buckets.pad_to_bucket(tokens)))
 
     @torch.inference_mode()
@@ -92,7 +92,8 @@ class BreakableRunner:
             batch = build_batch(chunks, kv, self.device, staging=self.staging,
                                 pad_to=self.buckets.pad_to_bucket(tokens))
             picked = picked_rows(self.model, batch, chunks)
-            return self.forward(batch, picked), with_hidden(batch, picked), "graph"
+            logits = self.forward(batch, picked)
+            return logits, self.with_outputs(batch, picked, chunks), "graph"
 
     def forward(self, batch: PrefillBatch, picked: torch.Tensor | None = None) -> torch.Tensor:
         n = batch.padded_tokens
@@ -101,6 +102,12 @@ class BreakableRunner:
         v.positions.copy_(batch.positions)
         self.backend.replay(n, self._attend(batch, v))
         return self.model.logits(v.hidden, batch.meta, picked)
+
+    def with_outputs(self, batch: PrefillBatch, picked: torch.Tensor | None, chunks: Chunks
+                     ) -> PrefillBatch:
+        """After `forward`: the head's kept rows and the pooled rows, read from the buffers."""
+        hidden = self.bufs.views(batch.padded_tokens).hidden
+        return with_pooled(with_hidden(batch, picked), hidden, chunks)
 
     def _attend(self, batch: PrefillBatch, v: Activations) -> Callable[[int], None]:
         """NOTE: bound at the first layer, so the GPU starts the first dense step meanwhile."""

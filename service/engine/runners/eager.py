@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from service.engine.batch import BatchStaging, PrefillBatch, build_batch
@@ -11,9 +9,9 @@ from service.engine.runners import (
     Chunks,
     on_stream,
     picked_rows,
-    pooled_rows,
     pools,
     with_hidden,
+    with_pooled,
 )
 from service.model.decoder import DecoderModel
 from service.model.meta import KVCache
@@ -41,7 +39,7 @@ class EagerRunner:
             elif pools(chunks):
                 h = self.model.hidden_states(batch.input_ids, batch.positions, batch.meta)
                 logits = self.model.logits(h, batch.meta, picked)
-                batch = dataclasses.replace(batch, pooled=pooled_rows(h, chunks))
+                batch = with_pooled(batch, h, chunks)
             else:
                 logits = self.model(batch.input_ids, batch.positions, batch.meta, picked)
         return logits, with_hidden(batch, picked), "eager"

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from service.engine.batch import PrefillBatch
-from service.engine.runners import Chunks, gc_paused, on_stream, pools, with_hidden
+from service.engine.runners import Chunks, gc_paused, on_stream, with_hidden, with_pooled
 from service.engine.runners.breakable import BreakableRunner
 from service.engine.runners.full_buffers import FullBuffers, capture_chunks
 from service.engine.sampling import summarize
@@ -95,7 +95,7 @@ class FullGraphRunner:
                 + self.hidden.numel() * self.hidden.element_size())
 
     def can_run(self, chunks: Chunks, tokens: int) -> bool:
-        if self.bufs is None or pools(chunks) or not self.graphs.buckets.use_graph(tokens):
+        if self.bufs is None or not self.graphs.buckets.use_graph(tokens):
             return False
         n = self.graphs.buckets.pad_to_bucket(tokens)
         return self.backend.has(("full", n)) and self.bufs.fits(chunks, n)
@@ -112,6 +112,8 @@ class FullGraphRunner:
         logits = fb.logits[:b].clone()  # NOTE: a copy: the next forward overwrites the buffer
         batch = fb.batch(chunks, kv, n, summary)
         asked = any(c.hidden for c in chunks)  # read at launch, before the next replay
+        # pooling reduces the graph's final-norm rows after the replay: no capture memory
+        batch = with_pooled(batch, self.graphs.bufs.views(n).hidden, chunks)
         return logits, with_hidden(batch, self.hidden[:b] if asked else None), "graph"
 
     def close(self) -> None:

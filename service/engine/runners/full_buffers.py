@@ -14,19 +14,20 @@ from service.engine.runners.packing import Packing
 from service.engine.sampling import summary_width
 from service.model.meta import ForwardMeta, KVCache
 
-ALIGN = 128  # bytes: every segment of the staged batch starts on a 128-byte boundary
+ALIGN_BYTES = 128
 
 
 @dataclass(frozen=True)
 class FullViews:
-    input_ids: torch.Tensor  # (n,) int64
-    positions: torch.Tensor  # (n,) int64
-    slot_mapping: torch.Tensor  # (n,) int64
+    # n token rows (int64); S sequences: rows int64, the rest int32; W pages a row
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
     head_rows: torch.Tensor  # (S,) int64: each sequence's last token row (padding: row 0)
     logit_rows: torch.Tensor  # (S,) int64: each sequence's row in the logits (arange)
-    cu_seqlens_q: torch.Tensor  # (S + 1,) int32
-    prefix_lens: torch.Tensor  # (S,) int32
-    page_table: torch.Tensor  # (S, W) int32
+    cu_seqlens_q: torch.Tensor  # (S + 1,)
+    prefix_lens: torch.Tensor
+    page_table: torch.Tensor  # (S, W)
 
 
 class FullBuffers:
@@ -44,7 +45,7 @@ class FullBuffers:
                                    device=device)
         pinned = self.words.is_cuda
         self._stage = torch.empty(self.words.shape, dtype=torch.int64, pin_memory=pinned)
-        self._staged = torch.cuda.Event() if pinned else None  # the staging copy has left
+        self._staged = torch.cuda.Event() if pinned else None
         self._np64 = self._stage.numpy()
         self._arange = np.arange(max(max_pages * page_size, max_seqs), dtype=np.int64)
         self._views: dict[int, FullViews] = {}
@@ -52,7 +53,7 @@ class FullBuffers:
 
     def packing(self, n: int) -> Packing:
         s = self.max_seqs
-        return Packing.of((n, n, n, s, s), (s + 1, s, s * self.max_pages), ALIGN)
+        return Packing.of((n, n, n, s, s), (s + 1, s, s * self.max_pages), ALIGN_BYTES)
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +107,7 @@ class FullBuffers:
             self._staged.record()
 
     def _slice_stage(self, n: int, b: int) -> tuple:
-        k = self.packing(n).words_to(2, b * self.max_pages)  # through b rows of the table
+        k = self.packing(n).words_to(2, b * self.max_pages)
         return (*self._parts(n, b, self._np64), self.words[:k], self._stage[:k])
 
     def batch(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int,
@@ -124,7 +125,6 @@ class FullBuffers:
 
     def load(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], kv: KVCache, n: int
              ) -> PrefillBatch:
-        """`stage`, wait for its copy, then `batch` (capture and benchmarks)."""
         assert self.fits(chunks, n), "batch does not fit the full graphs' buffers"
         self.stage(chunks, n)
         if self.words.is_cuda:
@@ -132,7 +132,6 @@ class FullBuffers:
         return self.batch(chunks, kv, n)
 
     def fetch_summary(self, b: int) -> HostCopy:
-        """b summary rows' copy to the host, queued after the graph that writes them."""
         return HostCopy(self.summary[:b])
 
 
