@@ -34,6 +34,7 @@ def _json(path: Path) -> dict | list:
 
 def from_checkpoint(path: Path) -> Pooling:
     """modules.json's Pooling and Normalize modules; none when the checkpoint has no such file."""
+    path = Path(path)  # a str where a test or bench hands EngineCore its own LoadedModel
     if not path.is_dir() or not (path / "modules.json").is_file():
         return Pooling()
     modules = {m.get("type"): m.get("path", "") for m in _json(path / "modules.json")}

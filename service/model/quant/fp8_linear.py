@@ -179,8 +179,10 @@ class Fp8Linear(nn.Module):
                               device=q.values.device)
         if not self._triton(q.values):
             return fp8_gemm_ref(q.values, q.scale, self.weight, self.weight_scale, out, b)
-        # cuBLASLt has no block-scaled algorithm for some row counts; whole 16-row tiles it takes
-        if self.block and (out.shape[0] % 16 or not cublas_block_scales(out.device)):
+        # cuBLASLt has no block-scaled algorithm for some row counts; whole 16-row tiles it takes.
+        # Captured into a CUDA graph its block-scaled GEMM replays wrong (torch 2.11): Triton's.
+        if self.block and (out.shape[0] % 16 or torch.cuda.is_current_stream_capturing()
+                           or not cublas_block_scales(out.device)):
             return fp8_gemm(q.values, q.scale, self.weight, self.weight_scale, out, b)
         if self.block:  # cuBLASLt: 1 x 128 activation groups, 128 x 128 weight tiles
             return torch._scaled_mm(q.values, self.weight.t(), scale_a=q.scale,
