@@ -1,6 +1,7 @@
-"""llmcompressor's FP8_BLOCK test checkpoint on CUDA in bf16: the last logits' relative error against
-its exact W8A8 result (fp32, CPU) on each engine path: eager Triton, graphs, graphs with Triton's
-block GEMM only, the engine without graphs. Usage (repo root, on a GPU): python3 bench/fp8_block_graphs.py"""
+"""llmcompressor's FP8_BLOCK test checkpoint on CUDA in bf16: the last logits' relative error
+against its exact W8A8 result (fp32, CPU) on each engine path: eager Triton, graphs, graphs with
+Triton's block GEMM only, the engine without graphs.
+Usage (repo root, on a GPU): python3 bench/fp8_block_graphs.py"""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     path = checkpoint(pathlib.Path(tempfile.mkdtemp()))
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 16, 32, 130, 144, 200)]
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist()
+               for n in (5, 16, 32, 130, 144, 200)]
     want = Prefiller(load_model(path, "cpu", torch.float32).model).last_logits(prompts)
     m = load_model(path, "cuda", torch.bfloat16).model
     print("eager triton", [rel(o, w) for o, w in zip(Prefiller(m).last_logits(prompts), want)])
