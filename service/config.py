@@ -71,6 +71,8 @@ class Settings(BaseSettings):
         "states; set on a causal LM it embeds as vLLM's `--convert embed` does."))
     normalize: bool | None = Field(None, **_shown("the checkpoint's Normalize module"),
                                    description="L2-normalize embeddings.")
+    score_head: Literal["auto", "yes-no", "none"] = Field("auto", description=(
+        "Rerank and /classify: `auto` a classifier's `score`; `yes-no` P(yes) (Qwen3-Reranker)."))
     kv_cache_bytes: int | None = Field(None, ge=1 << 20,
                                        **_shown("two prompts of the longest accepted length"),
                                        description=(
@@ -164,7 +166,8 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(quant.settings())}")
         return v
 
-    @field_validator("log_level", "device", "dtype", "quantization", "pooling", mode="before")
+    @field_validator("log_level", "device", "dtype", "quantization", "pooling", "score_head",
+                     mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         """Operators write INFO or CUDA as often as info or cuda."""
@@ -181,7 +184,7 @@ class Settings(BaseSettings):
     @field_validator("model_preset")
     @classmethod
     def _preset(cls, v: str | None) -> str | None:
-        if v is None or not v.strip():
+        if not (v or "").strip():
             return None
         if v not in PRESETS:
             raise ValueError(f"unknown preset; known: {', '.join(PRESETS)}")
@@ -200,11 +203,9 @@ def error_message(err: dict) -> str:
 
 
 def _explain(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        name = str(e["loc"][0]).upper() if e["loc"] else "?"
-        lines.append(f"{name}={clip(repr(e.get('input')))}: {error_message(e)}")
-    return "invalid configuration: " + "; ".join(lines)
+    return "invalid configuration: " + "; ".join(
+        f"{str(e['loc'][0]).upper() if e['loc'] else '?'}={clip(repr(e.get('input')))}: "
+        f"{error_message(e)}" for e in err.errors())
 
 
 def _settings_defaults(*resolved: str) -> Any:
@@ -234,6 +235,7 @@ class EngineConfig:
     prefix_cache: bool
     pooling: str | None
     normalize: bool | None
+    score_head: str
     kv_cache_bytes: int | None
     cuda_graph_max_tokens: int
     cuda_graph_buckets: tuple[int, ...] | None
@@ -309,9 +311,8 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
     elif device == "cuda" and not cuda_available:
         raise ConfigError(f"DEVICE='cuda': no CUDA device is visible. {cuda_requirement()}; "
                           "use DEVICE=cpu to serve on the CPU")
-    dtype = settings.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = settings.dtype if settings.dtype != "auto" else (
+        "bfloat16" if device == "cuda" else "float32")
     buckets = settings.cuda_graph_buckets
     eng = _from(EngineConfig, settings, device=device, dtype=dtype,
                 cuda_graph_max_tokens=settings.cuda_graph_max_tokens if device == "cuda" else 0,

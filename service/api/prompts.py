@@ -180,7 +180,7 @@ async def run_prompts(state: AppState, http: HTTPRequest, prompts: list[list[int
     """Await all prompts as one engine request (cancelled if the client goes); `shared` > 0:
     the prompts' first `shared` tokens are the same, prefilled once."""
     require_ready(state)
-    if not params.pool and not state.engine.info.lm_head:
+    if not (params.pool or params.head) and not state.engine.info.lm_head:
         raise BadInput(NO_HEAD, "model")
     rid, results = state.engine.submit(prompts, params, shared)
     state.active_requests += 1

@@ -28,6 +28,7 @@ class SeqChunk:
     named: tuple[int, ...] = ()  # tokens whose logprobs at the last row the forward reduces
     hidden: bool = False  # its last row's final-norm hidden state goes to the host
     pool: str = ""  # mean: the sum of its final-norm rows goes to the host; cls: its first row
+    head: bool = False  # with `hidden`: the score head's logits of that row go instead
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ids, np.ndarray) and self.ids.dtype == np.int64):
@@ -47,8 +48,9 @@ class SeqChunk:
         if not isinstance(other, SeqChunk):
             return NotImplemented
         return (self.prefix_len, self.pages, self.all_logits, self.named, self.hidden,
-                self.pool) == (other.prefix_len, other.pages, other.all_logits, other.named,
-                               other.hidden, other.pool) and np.array_equal(self.ids, other.ids)
+                self.pool, self.head) == (other.prefix_len, other.pages, other.all_logits,
+                                          other.named, other.hidden, other.pool, other.head
+                                          ) and np.array_equal(self.ids, other.ids)
 
 
 @dataclass(frozen=True)

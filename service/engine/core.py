@@ -29,6 +29,7 @@ from service.engine.pages import pages_for
 from service.engine.placement import prepared
 from service.engine.runners.capture import capture, eager_peak, settle
 from service.engine.sampling import LastRow, named_rows, summarize, unpack
+from service.model.heads import head_info
 from service.model.loader import LoadedModel, load
 from service.model.pooling import resolve
 
@@ -46,24 +47,27 @@ class ForwardOutput(NamedTuple):
     seconds: float
     hidden: dict[int, torch.Tensor] = {}  # chunk -> its last row's final-norm hidden (host)
     pooled: dict[int, torch.Tensor] = {}  # chunk -> its `pool` reduction, fp32 (host)
+    scores: dict[int, torch.Tensor] = {}  # chunk -> its score head's logits, fp32 (host)
 
 
 class Launched:
     """A queued forward; its logits are its own, so the next may launch before its `wait()`."""
 
-    __slots__ = ("logits", "summary", "named", "hidden", "pooled", "mode", "t0")
+    __slots__ = ("logits", "summary", "named", "hidden", "pooled", "scores", "mode", "t0")
 
     def __init__(self, logits: list[torch.Tensor], summary: HostCopy | None, mode: str,
                  t0: float, named: tuple[list[int], HostCopy] | None = None,
                  hidden: tuple[list[int], HostCopy] | None = None,
-                 pooled: tuple[list[int], HostCopy] | None = None):
+                 pooled: tuple[list[int], HostCopy] | None = None,
+                 scores: tuple[list[int], HostCopy] | None = None):
         self.logits, self.summary, self.mode, self.t0 = logits, summary, mode, t0
-        self.named, self.hidden, self.pooled = named, hidden, pooled
+        self.named, self.hidden, self.pooled, self.scores = named, hidden, pooled, scores
 
     def ready(self) -> bool:
         return all(c is None or c.ready() for c in (self.summary, self.named and self.named[1],
                                                     self.hidden and self.hidden[1],
-                                                    self.pooled and self.pooled[1]))
+                                                    self.pooled and self.pooled[1],
+                                                    self.scores and self.scores[1]))
 
     def wait(self) -> ForwardOutput:
         last = unpack(self.summary.get()) if self.summary is not None else []
@@ -71,13 +75,10 @@ class Launched:
             chunks, copy = self.named
             for i, vals in zip(chunks, copy.get().tolist()):
                 last[i].named = vals
-        hidden, pooled = {}, {}
-        if self.hidden is not None:
-            hidden = dict(zip(self.hidden[0], self.hidden[1].get().unbind(0)))
-        if self.pooled is not None:
-            pooled = dict(zip(self.pooled[0], self.pooled[1].get().unbind(0)))
+        hidden, pooled, scores = ({} if c is None else dict(zip(c[0], c[1].get().unbind(0)))
+                                  for c in (self.hidden, self.pooled, self.scores))
         return ForwardOutput(self.logits, last, self.mode, time.perf_counter() - self.t0, hidden,
-                             pooled)
+                             pooled, scores)
 
 
 def warm_up_batches(full_max_seqs: int, page_size: int, max_tokens: int, max_positions: int
@@ -125,7 +126,8 @@ class EngineCore:
         """The model with its QUANTIZATION scheme applied, prepared for this placement."""
         cfg = self.cfg
         loaded = prepared(loaded or load(cfg.model_path, cfg.model_preset, self.device,
-                                         self.dtype, cfg.pooling), cfg, self.placement)
+                                         self.dtype, cfg.pooling, cfg.score_head), cfg,
+                                    self.placement)
         self.model, self.tokenizer, self.model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.model_path, self.precision = str(loaded.path), self.model.scheme.label
         self.pooling = resolve(loaded.path, cfg.pooling, cfg.normalize)
@@ -222,7 +224,8 @@ class EngineCore:
                           kv_bytes_per_token=c.kv_bytes_per_token(size),
                           windowed_kv_bytes_per_token=c.kv_bytes_per_token(size, True),
                           quantization=self.precision, pooling=self.pooling.mode,
-                          normalize=self.pooling.normalize, lm_head=self.lm_head)
+                          normalize=self.pooling.normalize, lm_head=self.lm_head,
+                          **head_info(self.model.score_head))
 
     @property
     def max_batch_tokens(self) -> int:
@@ -251,16 +254,20 @@ class EngineCore:
         if asking := [i for i, c in enumerate(chunks) if c.named]:
             rows = [batch.logits_rows[i][1] - 1 for i in asking]
             named = asking, HostCopy(named_rows(logits, rows, [chunks[i].named for i in asking]))
-        hidden = None
-        if asking := [i for i, c in enumerate(chunks) if c.hidden]:
+        hidden = scores = None
+        if asking := [i for i, c in enumerate(chunks) if c.hidden and not c.head]:
             rows = torch.tensor([batch.logits_rows[i][1] - 1 for i in asking])
             hidden = asking, HostCopy(batch.hidden.index_select(0, to_device(rows, self.device)))
+        if asking := [i for i, c in enumerate(chunks) if c.head]:
+            rows = torch.tensor([batch.logits_rows[i][1] - 1 for i in asking])
+            picked = batch.hidden.index_select(0, to_device(rows, self.device))  # (n, hidden)
+            scores = asking, HostCopy(self.model.score(picked))  # (n, labels) fp32
         pooled = None
         if asking := [i for i, c in enumerate(chunks) if c.pool]:
             assert batch.pooled is not None, f"runner {runner.name} ran a pooling chunk"
             pooled = asking, HostCopy(batch.pooled)
         return Launched([logits[s:e] for s, e in batch.logits_rows], summary, mode, t0, named,
-                        hidden, pooled)
+                        hidden, pooled, scores)
 
     def forward(self, chunks: list[SeqChunk]) -> ForwardOutput:
         return self.launch(chunks).wait()

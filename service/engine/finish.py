@@ -120,7 +120,8 @@ def absorb_batch(batch: Batch, out: ForwardOutput, cache: PrefixCache, hook: Fin
             continue
         try:
             cache.insert(r.keys or [], r.pages, c.prefix_len + c.num_tokens)
-            res = r.absorb(c, logits, summary, out.hidden.get(i), out.pooled.get(i))
+            res = r.absorb(c, logits, summary, out.hidden.get(i), out.pooled.get(i),
+                           out.scores.get(i))
             if res is not None and hook is not None:
                 hook.on_finish(r, res, out.hidden.get(i),
                                lambda s, r=r: leases.take(r.pages, r.num_tokens, s))

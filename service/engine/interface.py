@@ -75,6 +75,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these may come first
     banned_token_ids: tuple[int, ...] = ()  # never first (min_tokens: the stop tokens)
     pool: str = ""  # last | mean | cls: the prompt's pooled final-norm hidden state comes back
+    head: bool = False  # the score head's raw logits of the last token come back
 
     def __post_init__(self) -> None:
         # NOTE: ValueError, not assert: msgspec reports it as the decoded message's invalid field
@@ -135,6 +136,7 @@ class PromptResult(NamedTuple):
     queue_s: float
     prefill_s: float
     embedding: bytes | None = None  # SamplingParams.pool's vector, float32 little-endian
+    scores: bytes | None = None  # SamplingParams.head's logits, float32 little-endian
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,9 @@ class EngineInfo:
     pooling: str = ""  # last | mean | cls when /v1/embeddings is served (POOLING)
     normalize: bool = False
     lm_head: bool = True  # False: a head-less embedding checkpoint; generation is refused
+    head: str = ""  # the score head (SCORE_HEAD): classify | yes-no; "" when none
+    labels: tuple[str, ...] = ()  # id2label order
+    pad_id: int | None = None  # the score head reads the last token that is not this one
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ class Prompt:
         self.keys = keys  # prefix-cache keys of the full pages (None: not computed yet)
         self.prompt_lps: list[PositionLogprobs] = []
         self.cancelled = False
-        self.wants_hidden = params.pool == "last"
+        self.wants_hidden = params.pool == "last" or params.head
         self.pool_sum: torch.Tensor | None = None  # mean: the rows' sum so far; cls: row 0
         # A prompt reading a shared query's KV: the query, and the tokens it shares
         self.base: Prompt | None = None
@@ -69,7 +69,8 @@ class Prompt:
             self.params.pool == "cls" and start == 0) else ""
         return SeqChunk(self.ids[start:end], start, tuple(self.pages[:pages_for(end, page_size)]),
                         self.params.prompt_logprobs, named,
-                        self.wants_hidden and end == self.num_tokens, pool)
+                        self.wants_hidden and end == self.num_tokens, pool,
+                        self.params.head and end == self.num_tokens)
 
     def own_pages(self, page_size: int) -> list[int]:
         """The pages this prompt frees: not its shared query's, which the query keeps."""
@@ -83,8 +84,8 @@ class Prompt:
             self.group_pages = []
 
     def absorb(self, c: SeqChunk, logits: torch.Tensor, summary: LastRow,
-               hidden: torch.Tensor | None = None, pooled: torch.Tensor | None = None
-               ) -> PromptResult | None:
+               hidden: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
+               scores: torch.Tensor | None = None) -> PromptResult | None:
         """Chunk `c`'s forward; the result once the prompt's last chunk is in."""
         end = c.prefix_len + c.num_tokens
         if pooled is not None:
@@ -102,7 +103,8 @@ class Prompt:
         return PromptResult(self.num_tokens, self.cached, first,
                             self.prompt_lps if self.params.prompt_logprobs else None,
                             self.admitted_at - self.arrival, now - self.admitted_at,
-                            self.embedding(hidden))
+                            self.embedding(hidden), None if scores is None
+                            else scores.float().numpy().astype("<f4").tobytes())
 
     def embedding(self, hidden: torch.Tensor | None) -> bytes | None:
         """The pooled vector as float32 little-endian bytes (None: not asked)."""

@@ -1,7 +1,5 @@
-"""The decoder every family runs, in plain PyTorch over a flat varlen batch: Llama's layer, with
-the differences a family declares in its ModelConfig (QK-norm, sandwich norms, GeGLU, embedding
-scale, per-layer window and RoPE, logit soft-cap). `run(acts, steps)` is the one forward every
-path executes; folded norms skip the norm kernels."""
+"""The decoder every family runs over a flat varlen batch: Llama's layer plus the differences a
+family declares in its ModelConfig; `run(acts, steps)` is the one forward every path executes."""
 
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ from kernels import ops
 from kernels.rope import rope_cos_sin_cache
 from service.model.attention import AttentionBackend
 from service.model.config import ModelConfig
+from service.model.heads import ScoreHead
 from service.model.layers import MLP, RMSNorm
 from service.model.meta import ForwardMeta
 from service.model.quant import PROJECTIONS, Projection, Rows, Scratch
@@ -89,15 +88,13 @@ class DecoderLayer(nn.Module):
         self.folded = False  # the norm weights live in qkv_proj / gate_up_proj (fold_norms)
 
     def fold_norms(self) -> None:
-        """Multiply the norm weights into the projections after them; norms keep unit weights,
-        and forwards of up to FUSED_NORM_MAX_ELEMS skip their kernels (`fuses_norm`).
+        """Norm weights into the next projections; forwards up to FUSED_NORM_MAX_ELEMS skip norms.
         NOTE: sandwich norms do not fold: a branch output is normed before the residual add."""
         self.fold_norm_weights()
         self.folded = True
 
     def fold_norm_weights(self) -> None:
-        """The weights' half of `fold_norms`: the norms still run, with unit weights (a scheme
-        that quantizes the folded product has the norm kernel quantize its output)."""
+        """The weights' half of `fold_norms`: the norms still run, with unit weights."""
         assert not self.cfg.sandwich_norms, "sandwich-norm layers keep their norm kernels"
         for norm, lin in ((self.attn_norm, self.qkv_proj), (self.mlp_norm, self.mlp.gate_up_proj)):
             lin.fold_norm(norm.weight.data)
@@ -118,8 +115,7 @@ class DecoderLayer(nn.Module):
     def qkv_rope(self, h_normed: Rows, positions: torch.Tensor,
                  cos_sin: torch.Tensor, out: torch.Tensor | None = None,
                  norm_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """QKV, QK-norm and RoPE; with `norm_rows` (raw residual input) the RoPE kernel also
-        applies the input norm's rstd and the bias."""
+        """QKV, QK-norm and RoPE; with `norm_rows` the RoPE kernel also applies norm and bias."""
         folded = norm_rows is not None
         qkv = self.qkv_proj.matmul(h_normed, out, bias=not folded)  # (T, (H + 2KVH) * D)
         t, c = qkv.shape[0], self.cfg
@@ -138,8 +134,7 @@ class DecoderLayer(nn.Module):
     def post(self, attn_out: torch.Tensor, residual: torch.Tensor, h_out: torch.Tensor,
              scratch: torch.Tensor | None = None, qin: Scratch | None = None,
              qin_mlp: Scratch | None = None) -> torch.Tensor | None:
-        """O projection, add + norm, MLP into `h_out`; fused norm: into `residual`, returns None.
-        Sandwich norms: the O projection's and the MLP's outputs are normed in place."""
+        """O projection, add + norm, MLP into `h_out`; fused norm: into `residual`, returns None."""
         if self.fuses_norm(residual.shape[0]):
             self.o_proj.matmul(attn_out, residual, accumulate=True)
             self.mlp(residual, out=residual, scratch=scratch, norm_eps=self.cfg.rms_norm_eps)
@@ -155,9 +150,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """What the engine sees of a model: `run`, `logits`/`head_at`, its dims (cfg, mlp_width,
-    max_positions), its attention seam (`attn`), its quantization `scheme` and the MLPs a
-    data-parallel runner shards."""
+    """What the engine sees of a model: `run`, its heads, dims, attention seam and `scheme`."""
 
     def __init__(self, cfg: ModelConfig, attn_backend: str = "torch",
                  max_positions: int | None = None):
@@ -177,6 +170,7 @@ class DecoderModel(nn.Module):
                                  persistent=False)
         self.norms_folded = False
         self.scheme = PLAIN  # the projections' (service/model/quant/): set as they change
+        self.score_head: ScoreHead | None = None  # SCORE_HEAD's (service/model/heads.py)
 
     @staticmethod
     def rope_table(cfg: ModelConfig, max_positions: int, local: bool = False) -> torch.Tensor:
@@ -194,8 +188,7 @@ class DecoderModel(nn.Module):
         return self.cos_sin_local if self.layers[layer].rope else self.cos_sin
 
     def fold_norms(self) -> None:
-        """Fold every layer's norms; not sandwich norms, nor into projections that cannot take
-        them (quantized ones: their norms ride in the launch that writes their input)."""
+        """Fold every layer's norms, unless sandwich or into projections that cannot take them."""
         if (self.norms_folded or self.cfg.sandwich_norms
                 or not all(p.foldable for p in self.projections())):
             return
@@ -289,6 +282,10 @@ class DecoderModel(nn.Module):
         if cap is None:
             return logits
         return torch.tanh(logits.float() / cap).mul_(cap)
+
+    def score(self, picked: torch.Tensor) -> torch.Tensor:
+        """The score head's fp32 logits (n, labels) of final-norm rows (n, hidden)."""
+        return torch.nn.functional.linear(picked.float(), self.score_head.weight)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: ForwardMeta) -> torch.Tensor:

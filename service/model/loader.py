@@ -21,6 +21,7 @@ from service.model.files import (
     read_hf_config,
     tokenizer_of,
 )
+from service.model.heads import is_classifier, score_head
 from service.model.loader_gguf import ROPE_FREQS, config_from_gguf, gguf_tensors, rope_freq_scaling
 from service.model.loader_hf import read_safetensors
 from service.model.pooling import is_pooling_checkpoint
@@ -44,13 +45,15 @@ class LoadedModel:
     lm_head: bool = True  # False: a pooling checkpoint saved without one (generation refused)
 
 
-def _head_less(cfg: ModelConfig, tensors: dict, where: str, pooling: str | None, path: Path
-               ) -> tuple[ModelConfig, bool]:
-    """A head-less pooling checkpoint runs its embedding as head; the API refuses generation."""
-    if not is_pooling_checkpoint(path, pooling):
+def _head_less(cfg: ModelConfig, tensors: dict, where: str, pooling: str | None, path: Path,
+               raw: dict) -> tuple[ModelConfig, bool]:
+    """A head-less pooling or classifier checkpoint runs its embedding as head; the API refuses
+    generation."""
+    if not (is_pooling_checkpoint(path, pooling) or is_classifier(raw)):
         return cfg, False
     bare = decoder_prefix(family(cfg.arch), tensors, where) == ""
-    headless = bare or (not cfg.tie_word_embeddings and "lm_head.weight" not in tensors)
+    headless = bare or is_classifier(raw) or (not cfg.tie_word_embeddings
+                                              and "lm_head.weight" not in tensors)
     if headless and not cfg.tie_word_embeddings:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     return cfg, headless
@@ -58,19 +61,19 @@ def _head_less(cfg: ModelConfig, tensors: dict, where: str, pooling: str | None,
 
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, attn_backend: str | None = None,
-               pooling: str | None = None) -> LoadedModel:
+               pooling: str | None = None, score: str = "auto") -> LoadedModel:
     """Load weights onto `device` in `dtype` (default: bf16 on CUDA, fp32 on CPU)."""
     t0 = time.perf_counter()
     path = Path(path) if path else default_model_path()
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     attn_backend = attn_backend or ("triton" if device.type == "cuda" else "torch")
-    scheme, headless = None, False
+    scheme, headless, raw, tensors = None, False, {}, {}
     if path.is_dir() and (path / "config.json").is_file():
         cfg, raw = read_hf_config(path)
         scheme = of_checkpoint(raw, str(path / "config.json"))
         tensors = read_safetensors(path)
-        cfg, headless = _head_less(cfg, tensors, str(path), pooling, path)
+        cfg, headless = _head_less(cfg, tensors, str(path), pooling, path, raw)
         tokenizer = load_hf_tokenizer(path, raw)
         where = str(path)
     elif path.is_dir():
@@ -78,7 +81,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         if len(ggufs) != 1:
             raise ModelLoadError(
                 f"{path}: no config.json, and {len(ggufs)} .gguf files (need exactly one)")
-        return load_model(ggufs[0], device, dtype, attn_backend, pooling)
+        return load_model(ggufs[0], device, dtype, attn_backend, pooling, score)
     elif path.suffix == ".gguf" or path.is_file():
         reader = read_gguf(path)
         meta = gguf_metadata(reader)
@@ -97,6 +100,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     model = model.to_empty(device=device).to(dtype)
     model.build_rope_tables(device)  # fp32; to_empty() left the buffers uninitialised
     load_hf_state(model, tensors, where, scheme)
+    if head := score_head(score, raw, tensors, model.head_weight, tokenizer, where):
+        model.score_head = dataclasses.replace(head, weight=head.weight.to(device))
     model.eval()
     model.set_kernels(device.type == "cuda")
     secs = time.perf_counter() - t0
@@ -127,10 +132,10 @@ def random_model(cfg: ModelConfig, device: str | torch.device = "cpu",
 
 
 def load(path: str | None, preset_name: str | None, device: torch.device,
-         dtype: torch.dtype, pooling: str | None = None) -> LoadedModel:
+         dtype: torch.dtype, pooling: str | None = None, score: str = "auto") -> LoadedModel:
     """The checkpoint at `path`, or random `preset_name` weights with its tokenizer."""
     if preset_name is None:
-        return load_model(path, device, dtype, pooling=pooling)
+        return load_model(path, device, dtype, pooling=pooling, score=score)
     t0 = time.perf_counter()
     where = Path(path) if path else default_model_path()
     cfg = preset(preset_name)

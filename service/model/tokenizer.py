@@ -162,6 +162,10 @@ class TextTokenizer:
             return [], []
         return full[:i], full[i + len(plain):]
 
+    def encode_pair(self, a: str, b: str) -> list[int]:
+        """A text pair as the post-processor's pair template joins it (cross-encoders)."""
+        return self.tok.encode(a, b, add_special_tokens=True).ids
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         # NOTE: decode_batch, not decode: it releases the GIL
         return self.tok.decode_batch([list(ids)], skip_special_tokens=skip_special)[0]

@@ -1,5 +1,6 @@
-"""POST /v1/score: SGLang's scoring API. Every item is scored as query + item by the next-token
-probabilities of the label tokens; the items' shared query is prefilled once for all of them."""
+"""POST /v1/score: SGLang's scoring API (vLLM's text_1/text_2 go to retrieval/pair_score.py).
+Every item is scored as query + item by the next-token probabilities of the label tokens; the
+items' shared query is prefilled once for all of them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from service.api.prompts import (
     tokenized,
     too_long,
 )
+from service.api.retrieval.pair_score import is_pair_body, pair_score
 from service.api.schemas import Body, ModelName, PromptTokensDetails, Text, TokenIds
 from service.api.state import AppState
 from service.engine.interface import MAX_LOGPROB_TOKEN_IDS, SamplingParams
@@ -131,6 +133,8 @@ def scores(logprobs: list[float], softmax: bool) -> list[float]:
 @router.post("/score", response_model=ScoreResponse)
 async def score(body: ScoreRequest, state: State, request: Request) -> Response:
     """Score each item against the query by the label tokens' next-token probabilities."""
+    if is_pair_body(raw := body.model_dump(exclude_unset=True)):
+        return await pair_score(raw, state, request)
     prompts = await tokenized(state, request, body.model, score_prompts, state, body)
     labels = named_ids(state, body.label_token_ids, "label_token_ids")
     shared = shared_tokens(state, prompts)

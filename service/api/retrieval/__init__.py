@@ -1,5 +1,5 @@
 """Retrieval routes (DESIGN.md): embeddings now; rerank, classify and TEI's join a module each."""
 
-from service.api.retrieval import embeddings
+from service.api.retrieval import classify, embeddings, pair_score, rerank, tei
 
-ROUTERS = (embeddings.router,)
+ROUTERS = (classify.router, rerank.router, pair_score.router, embeddings.router, tei.router)

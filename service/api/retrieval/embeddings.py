@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import Request
@@ -14,6 +14,8 @@ from pydantic import Field
 
 from service.api.deps import State, api_router, json_answer
 from service.api.errors import BadInput
+from service.api.openai.chat_template import render
+from service.api.openai.schemas import ChatMessage
 from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
 from service.api.schemas import Body, ModelName, Text, TokenIds
 from service.api.state import AppState
@@ -24,8 +26,13 @@ router = api_router("retrieval")
 
 class EmbeddingRequest(Body):
     model: ModelName = None
-    input: Text | list[Text] | TokenIds | list[TokenIds] = Field(description=(
+    input: Text | list[Text] | TokenIds | list[TokenIds] | None = Field(None, description=(
         "A text, texts, one prompt's token ids, or several prompts' token ids."))
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = Field(None, description=(
+        "The chat form instead of input: a conversation, or several (as MTEB sends), each "
+        "rendered with the chat template."))
+    add_generation_prompt: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="Keep the first n values, then "
                                    "normalize (Matryoshka).")
@@ -33,15 +40,22 @@ class EmbeddingRequest(Body):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32, description=(
         "Keep only each input's last k tokens; -1: the longest prompt served. Unset: an "
         "over-long input is a 400."))
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(None, description=(
+        "Default true for input, false for messages (the chat template writes its own)."))
 
 
 def input_ids(state: AppState, body: EmbeddingRequest) -> list[list[int]]:
     inp, cut = body.input, body.truncate_prompt_tokens
     if cut == 0:
         raise BadInput("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
+    if (inp is None) == (body.messages is None):
+        raise BadInput("give exactly one of input (texts or token ids) or messages (a chat)",
+                       "input")
+    if body.messages is not None:
+        return chat_ids(state, body)
     if isinstance(inp, str) or inp and isinstance(inp[0], str):
-        return with_specials(state, inp, cut) if body.add_special_tokens else encode_texts(
+        specials = body.add_special_tokens is not False
+        return with_specials(state, inp, cut) if specials else encode_texts(
             state, [inp] if isinstance(inp, str) else inp, "input", isinstance(inp, str),
             False, cut)
     if not inp:
@@ -51,14 +65,31 @@ def input_ids(state: AppState, body: EmbeddingRequest) -> list[list[int]]:
     return check_ids(state, inp, "input", False, cut)
 
 
-def with_specials(state: AppState, inp: str | list[str], cut: int | None) -> list[list[int]]:
+def chat_ids(state: AppState, body: EmbeddingRequest) -> list[list[int]]:
+    """vLLM's EmbeddingChatRequest: each conversation rendered without a generation prompt."""
+    if not body.messages:
+        raise BadInput("messages is empty", "messages")
+    single = not isinstance(body.messages[0], list)
+    chats = [body.messages] if single else body.messages
+    texts = [render(state.tokenizer, chat, add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=False, chat_template_kwargs=body.chat_template_kwargs)
+             for chat in chats]
+    cut = body.truncate_prompt_tokens
+    if body.add_special_tokens:
+        return with_specials(state, texts[0] if single else texts, cut, "messages")
+    return check_ids(state, encode_texts(state, texts, "messages", single, False, cut),
+                     "messages", single)
+
+
+def with_specials(state: AppState, inp: str | list[str], cut: int | None,
+                  field: str = "input") -> list[list[int]]:
     """Texts tokenized with the post-processor's special tokens, as sentence-transformers does;
     truncation keeps the last tokens, these included."""
     head, tail = state.tokenizer.special_ends()
     extra, single = len(head) + len(tail), isinstance(inp, str)
     keep = None if cut is None else max((state.max_prompt_tokens if cut == -1 else cut) - extra, 1)
-    ids = encode_texts(state, [inp] if single else inp, "input", single, False, keep)
-    return check_ids(state, [head + p + tail for p in ids], "input", single)
+    ids = encode_texts(state, [inp] if single else inp, field, single, False, keep)
+    return check_ids(state, [head + p + tail for p in ids], field, single)
 
 
 def vectors(results: list[PromptResult], dims: int | None, normalize: bool) -> np.ndarray:
@@ -78,24 +109,35 @@ def to_response(state: AppState, vecs: np.ndarray, fmt: str, tokens: int) -> dic
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-@router.post("/embeddings")
-async def embeddings(body: EmbeddingRequest, state: State, request: Request) -> Response:
-    """Each input's pooled final-norm hidden state (POOLING), normalized as the model says."""
+def require_pooling(state: AppState) -> None:
     info = state.engine.info
     if info is not None and not info.pooling:
         raise BadInput("this model has no pooling: set POOLING=last, mean or cls (or serve a "
-                       "sentence-transformers checkpoint) to serve /v1/embeddings", "model")
-    prompts = await tokenized(state, request, body.model, input_ids, state, body)
+                       "sentence-transformers checkpoint) to serve embeddings", "model")
+
+
+async def embed_prompts(state: AppState, request: Request, prompts: list[list[int]],
+                        dims: int | None, normalize: bool | None = None) -> tuple[np.ndarray, int]:
+    """The prompts' pooled vectors (normalized as the model says unless `normalize` is set) and
+    their token count; counted in the embed task metrics."""
     info = state.engine.info
     results = await run_prompts(state, request, prompts, SamplingParams(pool=info.pooling))
     width = len(results[0].embedding) // 4
-    if body.dimensions is not None and body.dimensions > width:
-        raise BadInput(f"dimensions={body.dimensions}: the model's embeddings have {width}",
-                       "dimensions")
-    vecs = vectors(results, body.dimensions, info.normalize)
+    if dims is not None and dims > width:
+        raise BadInput(f"dimensions={dims}: the model's embeddings have {width}", "dimensions")
+    vecs = vectors(results, dims, info.normalize if normalize is None else normalize)
     tokens = sum(r.prompt_tokens for r in results)
+    state.metrics.on_task("embed", len(results), tokens)
+    return vecs, tokens
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingRequest, state: State, request: Request) -> Response:
+    """Each input's pooled final-norm hidden state (POOLING), normalized as the model says."""
+    require_pooling(state)
+    prompts = await tokenized(state, request, body.model, input_ids, state, body)
+    vecs, tokens = await embed_prompts(state, request, prompts, body.dimensions)
     response = await json_answer(vecs.size, lambda: to_response(
         state, vecs, body.encoding_format, tokens))
-    state.metrics.on_task("embed", len(results), tokens)
     state.metrics.count("ok")
     return response

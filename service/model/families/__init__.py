@@ -54,7 +54,7 @@ def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConf
     """The ModelConfig of a checkpoint's config.json, or UnsupportedArchitecture."""
     archs = raw.get("architectures") or []
     # the bare decoder (LlamaModel, Qwen3Model) as sentence-transformers saves it: by model_type
-    by_type = all(str(a).endswith("Model") for a in archs)
+    by_type = all(str(a).endswith(("Model", "ForSequenceClassification")) for a in archs)
     for f in FAMILIES.values():
         if any(a in f.architectures for a in archs) or (
                 by_type and raw.get("model_type") in f.model_types):
