@@ -12,6 +12,7 @@ from service.engine.batch import SeqChunk
 from service.engine.kv_pool import KVPool
 from service.engine.pages import pages_for
 from service.model.config import ModelConfig
+from service.model.families import preset
 from service.model.loader import LoadedModel, random_model
 
 PAGE = 4
@@ -120,3 +121,15 @@ class Runners:
     @property
     def full_forwards(self) -> int:
         return self.runs["full"]
+
+
+def runners_on(device: str, seed: int) -> tuple:
+    """A tiny fp32 model on the CPU or a 3-layer bf16 SmolLM2 on CUDA: (model, its Runners, a KV
+    pool, the tolerance against eager)."""
+    if device == "cpu":
+        model, page, tol = tiny_model(seed=seed), 4, 1e-4
+    else:
+        model = random_model(preset("smollm2-135m", num_layers=3), "cuda", torch.bfloat16)
+        page, tol = 16, 3e-2
+    runners = Runners(model, (8, 16, 32, 64), full_max=32, seqs=3, pages=40, page=page)
+    return model, runners, KVPool(model.cfg, 4096, page, model.dtype, model.device), tol

@@ -10,10 +10,7 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from service.engine.kv_pool import KVPool
-from service.model.families import preset
-from service.model.loader import random_model
-from tests.engine.helpers import Runners, chunk, prompts, tiny_model
+from tests.engine.helpers import chunk, prompts, runners_on
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])
@@ -21,13 +18,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 
 @pytest.fixture(scope="module", params=["cpu", CUDA])
 def setup(request):
-    if request.param == "cpu":
-        model, page, tol = tiny_model(seed=9), 4, 1e-4
-    else:
-        model = random_model(preset("smollm2-135m", num_layers=3), "cuda", torch.bfloat16)
-        page, tol = 16, 3e-2
-    runners = Runners(model, (8, 16, 32, 64), full_max=32, seqs=3, pages=40, page=page)
-    pool = KVPool(model.cfg, 4096, page, model.dtype, model.device)
+    model, runners, pool, tol = runners_on(request.param, seed=9)
     yield model, runners, pool, tol
     runners.close()
 

@@ -13,7 +13,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.runners import pooled_rows
 from service.model.families import preset
 from service.model.loader import LoadedModel, random_model
-from tests.engine.helpers import Runners, chunk, engine_cfg, prompts, tiny_model
+from tests.engine.helpers import chunk, engine_cfg, prompts, runners_on, tiny_model
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,13 +55,7 @@ def test_vectorised_reduction_equals_the_loop(lengths, pools, pad, extra) -> Non
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=GPU)])
 def setup(request):
-    if request.param == "cpu":
-        model, page, tol = tiny_model(seed=5), 4, 1e-4
-    else:
-        model = random_model(preset("smollm2-135m", num_layers=3), "cuda", torch.bfloat16)
-        page, tol = 16, 3e-2
-    runners = Runners(model, (8, 16, 32, 64), full_max=32, seqs=3, pages=40, page=page)
-    pool = KVPool(model.cfg, 4096, page, model.dtype, model.device)
+    model, runners, pool, tol = runners_on(request.param, seed=5)
     yield model, runners, pool, tol
     runners.close()
 
