@@ -3,31 +3,11 @@ MTEB does with the model card's P(yes) computed in-process through transformers.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from service.api.retrieval.rerank import QWEN3_PREFIX, QWEN3_SUFFIX, QWEN3_TASK
 from tests.api.test_embedding_clients import scores
-from tests.api.test_rerank import DATA, reranker  # noqa: F401  (module fixture)
+from tests.api.test_rerank import p_yes, reranker  # noqa: F401  (module fixture)
 from tests.api.test_tei import serving
-
-
-def p_yes(query: str, docs: list[str]) -> np.ndarray:
-    """Softmax over the [no, yes] logits at the last position, as the model card computes it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = DATA / "qwen3_reranker"
-    tok, lm = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
-    out = []
-    for d in docs:
-        body = f"<Instruct>: {QWEN3_TASK}\n<Query>: {query}\n<Document>: {d}"
-        ids = [tok.encode(s, add_special_tokens=False) for s in (QWEN3_PREFIX, body, QWEN3_SUFFIX)]
-        with torch.no_grad():
-            logits = lm(torch.tensor([sum(ids, [])])).logits[0, -1]
-        out.append(logits[[no, yes]].softmax(-1)[1].item())
-    return np.array(out, dtype=np.float32)
 
 
 def test_mteb_rerank_wrapper_scores_as_transformers(reranker, tmp_path) -> None:  # noqa: F811
@@ -46,7 +26,7 @@ def test_mteb_rerank_wrapper_scores_as_transformers(reranker, tmp_path) -> None:
                 overwrites={"name": "rr-local", "modalities": ["text"]})
 
         def _rerank(self, query, documents, top_k=None):
-            return p_yes(query, documents)
+            return p_yes(documents, query)
 
     kw = dict(cache=ResultCache(str(tmp_path / "cache")), overwrite_strategy="always",
               show_progress_bar=False, co2_tracker=False)

@@ -38,7 +38,7 @@ def reranker():
         app.close()
 
 
-def p_yes(docs: list[str]) -> np.ndarray:
+def p_yes(docs: list[str], query: str = QUERY) -> np.ndarray:
     """The model card's score: softmax over the [no, yes] logits at the last position."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,7 +47,7 @@ def p_yes(docs: list[str]) -> np.ndarray:
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
     out = []
     for d in docs:
-        body = f"<Instruct>: {QWEN3_TASK}\n<Query>: {QUERY}\n<Document>: {d}"
+        body = f"<Instruct>: {QWEN3_TASK}\n<Query>: {query}\n<Document>: {d}"
         ids = [tok.encode(s, add_special_tokens=False) for s in (QWEN3_PREFIX, body, QWEN3_SUFFIX)]
         with torch.no_grad():
             logits = lm(torch.tensor([sum(ids, [])])).logits[0, -1]
