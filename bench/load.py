@@ -503,7 +503,7 @@ def main() -> None:
     if api_workers and api_workers != "0":
         workers = int(api_workers)
     else:
-        from service.config import auto_api_workers
+        from service.host import auto_api_workers
 
         workers = auto_api_workers(usable_cpus())
     server_cpus = workers + 2  # its API workers, and the engine process's two busy threads

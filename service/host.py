@@ -74,3 +74,13 @@ def cuda_requirement(torch_cuda: str | None = None, driver: str | None = None) -
     found = f"the driver here is {driver}" if driver else "no NVIDIA driver was found"
     needs = f", which needs an NVIDIA driver >= {need}" if need else ""
     return f"This torch build ({build}) uses CUDA {torch_cuda}{needs}; {found}"
+
+
+def api_workers(setting: int) -> int:
+    """API_WORKERS, or from the CPU count where it is 0."""
+    return setting or auto_api_workers(usable_cpus())
+
+
+def auto_api_workers(cpus: int) -> int:
+    """Two CPUs for the engine, two per worker, at most eight: beyond, one engine is the limit."""
+    return max(1, min(8, (cpus - 2) // 2))

@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
     values,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -62,6 +62,26 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
                          "Prompts admitted to the engine and not finished (in a forward or "
                          "between chunks)."),
     "ready": ("prefill_ready", "1 when the service accepts prefill requests."),
+    "kv_transfer_leased_pages": ("prefill_kv_transfer_leased_pages",
+                                 "Export pages holding KV offered to a decode and not yet pulled "
+                                 "(KV_TRANSFER)."),
+    "kv_transfer_leased_tokens": ("prefill_kv_transfer_leased_tokens",
+                                  "Prompt tokens of the KV offered and not yet pulled."),
+}
+# snapshot key -> (counter name, help): the KV producer's (KV_TRANSFER), read from the engine
+ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
+    "kv_transfer_offered": ("prefill_kv_transfer_offered_requests",
+                            "Prompts whose KV was offered to a decode (kv_transfer_params)."),
+    "kv_transfer_offered_bytes": ("prefill_kv_transfer_offered_bytes",
+                                  "Bytes of KV offered to decodes."),
+    "kv_transfer_notified": ("prefill_kv_transfer_notified_requests",
+                             "Offers a decode reported pulled (NIXL done notification)."),
+    "kv_transfer_expired": ("prefill_kv_transfer_expired_requests",
+                            "Offers whose lease expired unpulled (KV_LEASE_S)."),
+    "kv_transfer_refused": ("prefill_kv_transfer_refused_requests",
+                            "Prompts answered without an offer: the export region was full."),
+    "kv_transfer_handshakes": ("prefill_kv_transfer_handshakes",
+                               "Side-channel handshakes answered to decodes."),
 }
 # SGLang's labels: the inference gateway's endpoint picker sizes its prefix-cache index from it
 CACHE_CONFIG_INFO = "prefill_cache_config_info"
@@ -96,6 +116,10 @@ class _Gauges(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(snap.get(key, 0.0)))
             yield g
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], float(snap.get(key, 0.0)))
+            yield c
         info = GaugeMetricFamily(CACHE_CONFIG_INFO, _CACHE_CONFIG_DOC, labels=_CACHE_CONFIG_LABELS)
         if "page_size" in snap:  # no series until the engine has sized its KV pool
             shape = [str(int(snap["page_size"])), str(int(snap["kv_pages"]))]
@@ -109,6 +133,8 @@ class _Gauges(Collector):
     def describe(self) -> Iterator[GaugeMetricFamily]:
         for _, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, labels=["model_name"])
+        for _, (name, doc) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, labels=["model_name"])
         yield GaugeMetricFamily(CACHE_CONFIG_INFO, _CACHE_CONFIG_DOC, labels=_CACHE_CONFIG_LABELS)
         yield GaugeMetricFamily(MODEL_INFO, _MODEL_INFO_DOC, labels=_MODEL_INFO_LABELS)
 

@@ -27,10 +27,10 @@ from service.config import (
     EngineConfig,
     ServerConfig,
     Settings,
-    api_workers,
     load_settings,
     resolve,
 )
+from service.host import api_workers
 from service.model.tokenizer import TextTokenizer
 from service.process import setup_logging
 
@@ -83,7 +83,7 @@ def configure(settings: Settings) -> tuple[EngineConfig, ServerConfig,
     """Everything that can fail in one line, before any process starts. The listening sockets
     of each slot: per worker slot a PORT socket of its own (on Linux; elsewhere one for all),
     then, unless ADMIN_PORT is 0, the admin server's slot with ADMIN_PORT's."""
-    workers = api_workers(settings)
+    workers = api_workers(settings.api_workers)
     try:
         port = bind(settings.host, settings.port, group=workers if REUSE_PORT else 0)
         admin = (bind(settings.host, settings.admin_port, "ADMIN_PORT") if settings.admin_port

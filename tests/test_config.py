@@ -15,9 +15,9 @@ from service.config import (
     Settings,
     load_settings,
     resolve,
-    settings_table,
 )
 from service.model.families import FAMILIES, PRESETS
+from service.settings_table import settings_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -84,13 +84,13 @@ def test_values_come_from_the_settings_by_name():
 
 
 def test_the_readme_settings_table_is_the_generated_one():
-    """`python -m service.config` prints the table; README.md holds it verbatim."""
+    """`python -m service.settings_table` prints the table; README.md holds it verbatim."""
     text = README.read_text()
     block = re.search(r"\| variable \| default \| meaning \|\n(?:\|.*\|\n)+", text)
     assert block, "README.md has no settings table"
     assert block.group(0).rstrip("\n") == settings_table(), (
         "README.md's settings table differs from the settings: paste "
-        "`python -m service.config` over it")
+        "`python -m service.settings_table` over it")
 
 
 def test_model_help_names_every_family_and_preset():

@@ -13,7 +13,6 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.json_depth import TOO_DEEP, deep_path
-from service.config import error_message
 from service.engine.interface import (
     EngineTimeout,
     ForwardFailed,
@@ -23,6 +22,7 @@ from service.engine.interface import (
     QueueFull,
     RequestDropped,
 )
+from service.text import error_message
 
 log = logging.getLogger(__name__)
 

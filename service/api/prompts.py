@@ -13,9 +13,9 @@ from starlette.types import Receive
 from service.api.errors import BadInput, ClientDisconnected, ModelNotFound, PromptTooLong
 from service.api.schemas import Sampling
 from service.api.state import AppState
-from service.config import clip
 from service.engine.interface import NotReady, PromptResult, SamplingParams
 from service.model.text_pieces import RunTooLong
+from service.text import clip
 
 T = TypeVar("T")
 
@@ -167,7 +167,24 @@ def sampling_params(state: AppState, body: Sampling, *, top_logprobs: int = 0,
         seed=body.seed, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
         logprob_token_ids=logprob_token_ids, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, logit_bias=tuple(bias.items()),
-        allowed_token_ids=allowed, banned_token_ids=banned)
+        allowed_token_ids=allowed, banned_token_ids=banned,
+        remote_decode=remote_decode(state, body.kv_transfer_params))
+
+
+def remote_decode(state: AppState, params: dict | None) -> bool:
+    """vLLM's `kv_transfer_params.do_remote_decode`; ignored without KV_TRANSFER, as by vLLM."""
+    want = (params or {}).get("do_remote_decode", False)
+    if not isinstance(want, bool):
+        raise BadInput(f"kv_transfer_params.do_remote_decode={clip(repr(want))}: must be true or "
+                       "false", "kv_transfer_params")
+    return want and state.engine_cfg.kv_transfer != "none"
+
+
+def one_remote_decode(params: SamplingParams, prompts: list) -> None:
+    """vLLM answers one `kv_transfer_params` per response: a remote decode takes one prompt."""
+    if params.remote_decode and len(prompts) != 1:
+        raise BadInput(f"kv_transfer_params.do_remote_decode with {len(prompts)} prompts: send "
+                       "one prompt per request", "kv_transfer_params")
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -103,7 +103,8 @@ class Sampling(Body):
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32,
                           description="0 only: the queue is first-in, first-out.")
     kv_transfer_params: dict[str, Any] | None = Field(None, description=(
-        "Accepted (llm-d, vLLM disaggregation); no KV is transferred: answered with null."))
+        "vLLM's (llm-d's P/D): `do_remote_decode` leaves the KV for a vLLM decode to pull "
+        "(KV_TRANSFER=nixl); ignored otherwise."))
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32, description=(
         "Keep only the prompt's last k tokens; -1: the longest prompt served."))
 

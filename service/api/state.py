@@ -66,6 +66,7 @@ class AppState:
             "queue_limit_requests": self.engine_cfg.max_queue_requests,
             "running_requests": stats.running_requests,
             "ready": 1.0 if self.ready else 0.0,
+            **{f"kv_transfer_{k}": v for k, v in stats.kv_transfer.items()},
         }
         info = self.engine.info
         if info is not None:

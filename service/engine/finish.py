@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +16,7 @@ from service.engine.interface import ForwardFailed, PromptResult
 
 if TYPE_CHECKING:
     from service.engine.batching import Batch
-    from service.engine.core import ForwardOutput
+    from service.engine.core import EngineCore, ForwardOutput
     from service.engine.prefix_cache import PrefixCache
     from service.engine.prompt import Prompt
 
@@ -26,15 +26,26 @@ Finished = tuple["Prompt", PromptResult | None, BaseException | None]
 Keep = Callable[[float], "Lease"]  # seconds -> a lease on the finished prompt's pages
 
 
-class FinishHook(Protocol):
-    """`wants_hidden` at submit (under the scheduler's lock), `on_finish` on the engine thread."""
+class FinishHook:
+    """A consumer of finished prompts; every method runs on the engine thread but `stats`."""
+
+    def start(self, engine: EngineCore) -> None:
+        """The engine is loaded and not yet ready; raising fails the load."""
 
     def wants_hidden(self, prompt: Prompt) -> bool:
-        """Whether `prompt`'s final-norm hidden row of its last token reaches `on_finish`."""
+        """At submit (under the scheduler's lock): `prompt`'s last hidden row reaches on_finish."""
+        return False
 
     def on_finish(self, prompt: Prompt, result: PromptResult, hidden: torch.Tensor | None,
-                  keep: Keep) -> None:
-        """The prompt's last chunk has run; `hidden` (hidden_size,) on the host when asked."""
+                  keep: Keep) -> PromptResult | None:
+        """The prompt's last chunk has run: the result to answer (None: `result` as it is)."""
+        return None
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """The engine stops."""
 
 
 class Lease:
@@ -123,8 +134,8 @@ def absorb_batch(batch: Batch, out: ForwardOutput, cache: PrefixCache, hook: Fin
             res = r.absorb(c, logits, summary, out.hidden.get(i), out.pooled.get(i),
                            out.scores.get(i))
             if res is not None and hook is not None:
-                hook.on_finish(r, res, out.hidden.get(i),
-                               lambda s, r=r: leases.take(r.pages, r.num_tokens, s))
+                res = hook.on_finish(r, res, out.hidden.get(i),
+                                     lambda s, r=r: leases.take(r.pages, r.num_tokens, s)) or res
         except Exception as e:  # noqa: BLE001 - a sampling or hook bug fails this prompt only
             log.exception("post-processing failed")
             finished.append((r, None, ForwardFailed(f"{type(e).__name__}: {e}")))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 256  # named tokens whose logprobs one request may ask for
@@ -76,6 +76,7 @@ class SamplingParams:
     banned_token_ids: tuple[int, ...] = ()  # never first (min_tokens: the stop tokens)
     pool: str = ""  # last | mean | cls: the prompt's pooled final-norm hidden state comes back
     head: bool = False  # the score head's raw logits of the last token come back
+    remote_decode: bool = False  # the prompt's KV is left for a decode to pull (KV_TRANSFER)
 
     def __post_init__(self) -> None:
         # NOTE: ValueError, not assert: msgspec reports it as the decoded message's invalid field
@@ -137,6 +138,7 @@ class PromptResult(NamedTuple):
     prefill_s: float
     embedding: bytes | None = None  # SamplingParams.pool's vector, float32 little-endian
     scores: bytes | None = None  # SamplingParams.head's logits, float32 little-endian
+    kv_transfer: dict[str, Any] | None = None  # remote_decode: vLLM's kv_transfer_params
 
 
 @dataclass(frozen=True)
@@ -192,3 +194,4 @@ class EngineStats:
     kv_leased_pages: int = 0  # pages kept past their prompts' answers (finish.py)
     kv_leased_tokens: int = 0
     leases_expired: int = 0
+    kv_transfer: dict[str, int] = field(default_factory=dict)  # the KV producer's counters

@@ -88,10 +88,11 @@ class Scheduler:
     def stats(self) -> EngineStats:
         eng = self.engine
         counts, runs = (dict(eng.forward_counts), dict(eng.runs)) if eng is not None else ({}, {})
-        leases = self.leases
+        held = (self.leases.pages, self.leases.tokens, self.leases.expired) if self.leases else (
+            0, 0, 0)
         return EngineStats(len(self._waiting), len(self._running), self.kv_used_tokens,
-                           self.kv_cached_tokens, counts, runs,
-                           *((leases.pages, leases.tokens, leases.expired) if leases else ()))
+                           self.kv_cached_tokens, counts, runs, *held,
+                           self.hook.stats() if self.hook else {})
 
     @property
     def kv_used_tokens(self) -> int:
@@ -187,6 +188,8 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             engine = self._factory()
+            if self.hook is not None:
+                self.hook.start(engine)
         except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
             log.debug("engine failed to load", exc_info=True)
             self._fail(f"engine failed to load: {type(e).__name__}: {e}")
@@ -212,10 +215,11 @@ class Scheduler:
                     self._release(r)
                 self.leases.drop_all()
                 self.cache.clear()
-            try:
-                engine.close()
-            except Exception:  # noqa: BLE001
-                log.exception("engine close failed")
+            for close in ((self.hook.close,) if self.hook else ()) + (engine.close,):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001
+                    log.exception("closing %s failed", close)
 
     def _loop(self) -> None:
         """Launch batch n + 1, then finish batch n (a synchronous engine: finish each at once)."""

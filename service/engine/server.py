@@ -15,6 +15,7 @@ from service.config import EngineConfig, ServerConfig
 from service.engine import messages as m
 from service.engine.board import QueueBoard
 from service.engine.checks import submit_prompts
+from service.engine.finish import FinishHook
 from service.engine.interface import (
     InvalidRequest,
     KVPoolExhausted,
@@ -250,6 +251,13 @@ def bind(ctx: zmq.Context, addrs: m.Addresses, max_message_bytes: int = 64 << 20
     return pulls[0], pulls[1], router
 
 
+def finish_hook(cfg: EngineConfig) -> FinishHook | None:
+    if cfg.kv_transfer == "nixl":
+        from service.kv_transfer.producer import NixlProducer
+        return NixlProducer(cfg)
+    return None
+
+
 def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
         alive: Connection) -> None:
     """The engine process's main: serve until SIGTERM or the engine fails. `alive` is only held."""
@@ -267,7 +275,8 @@ def run(engine_cfg: EngineConfig, server_cfg: ServerConfig, addrs: m.Addresses,
                           max_queue=engine_cfg.max_queue_requests,
                           max_batch_prompts=engine_cfg.max_batch_prompts,
                           prefix_cache=engine_cfg.prefix_cache, observer=metrics,
-                          on_queue=board.write, poll=lambda t: server.receive_work(inbox, t))
+                          on_queue=board.write, poll=lambda t: server.receive_work(inbox, t),
+                          finish_hook=finish_hook(engine_cfg))
     server = EngineServer(scheduler, Outbox(router))
 
     def on_loaded(exc: BaseException | None) -> None:

@@ -256,7 +256,8 @@ def start_app(engine_factory: Callable[[Any], Any], tokenizer: Any, routers: Any
     engine = EngineThread(lambda on_queue, poll: Scheduler(
         lambda: engine_factory(eng_cfg), max_queue=eng_cfg.max_queue_requests,
         max_batch_prompts=eng_cfg.max_batch_prompts, prefix_cache=eng_cfg.prefix_cache,
-        observer=metrics, on_queue=on_queue, poll=poll))
+        observer=metrics, on_queue=on_queue, poll=poll,
+        finish_hook=server.finish_hook(eng_cfg)))
     alive_r, alive_w = multiprocessing.Pipe(duplex=False)
     client = EngineClient(engine.addrs, 0, max_queue=eng_cfg.max_queue_requests,
                           alive=alive_r,

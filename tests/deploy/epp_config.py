@@ -41,6 +41,12 @@ PLUGIN_PARAMETERS: dict[str, set[str]] = {
     },
     "openai-parser": set(),
     "passthrough-parser": set(),
+    # P/D (deploy/components/pd-disaggregation): pkg/epp/framework/plugins/scheduling/...
+    "prefill-filter": set(),
+    "decode-filter": set(),
+    "max-score-picker": {"maxNumOfEndpoints"},
+    "prefix-based-pd-decider": {"nonCachedTokens", "promptTokens"},
+    "disagg-profile-handler": {"stageOrder", "profiles", "deciders"},
 }
 ENGINE_CONFIG_KEYS = {
     "name",

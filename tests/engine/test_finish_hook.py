@@ -10,13 +10,13 @@ import torch
 
 from service.engine.batch import SeqChunk
 from service.engine.core import EngineCore
-from service.engine.finish import Lease
+from service.engine.finish import FinishHook, Lease
 from service.engine.scheduler import Scheduler
 from tests.engine.helpers import PAGE, engine_cfg, prompts, tiny_loaded
 from tests.engine.test_scheduler import FakeEngine, req, run, start, started, until
 
 
-class Hook:
+class Hook(FinishHook):
     """Leases every prompt's pages for `lease_s` (None: no lease); asks for hidden rows."""
 
     def __init__(self, lease_s: float | None = None, hidden: bool = False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -78,6 +78,7 @@ class PrefillResult(BaseModel):
     prompt_logprobs: list[PromptTokenInfo] | None = None  # one per prompt token; first: null
     queue_ms: float
     prefill_ms: float
+    kv_transfer_params: dict[str, Any] | None = None  # for the decode (KV_TRANSFER)
 
 
 class PrefillUsage(BaseModel):
@@ -137,7 +138,8 @@ def to_result(state: AppState, i: int, ids: list[int], res: PromptResult,
     return {"index": i, "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
             "next_token": _tok(text, *res.next.token), "top_logprobs": _toks(text, res.next.top),
             "token_logprobs": _named(text, named, res.next.named), "prompt_logprobs": plps,
-            "queue_ms": round(res.queue_s * 1e3, 3), "prefill_ms": round(res.prefill_s * 1e3, 3)}
+            "queue_ms": round(res.queue_s * 1e3, 3), "prefill_ms": round(res.prefill_s * 1e3, 3),
+            "kv_transfer_params": res.kv_transfer}
 
 
 def to_response(state: AppState, prompts: list[list[int]], results: list[PromptResult],

@@ -19,7 +19,6 @@ from service.api.openai.schemas import ChatMessage, CompletionUsage, PromptLogpr
 from service.api.prompts import encode_texts, named_ids, run_prompts, sampling_params, tokenized
 from service.api.schemas import ModelName, PromptTokensDetails, Sampling, Text, TokenIds
 from service.api.state import AppState
-from service.config import clip
 from service.engine.interface import (
     MAX_INT32,
     MAX_LOGPROB_TOKEN_IDS,
@@ -27,6 +26,7 @@ from service.engine.interface import (
     PositionLogprobs,
     PromptResult,
 )
+from service.text import clip
 
 router = api_router("chat")
 
@@ -112,7 +112,7 @@ class ChatCompletionResponse(BaseModel):
     usage: CompletionUsage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # no KV transfer here (vLLM's answer)
+    kv_transfer_params: dict[str, Any] | None = None  # for the decode (KV_TRANSFER)
 
 MIN_LOGPROB = -9999.0  # vLLM's floor for a reported logprob (-inf is not JSON)
 
@@ -226,7 +226,8 @@ async def chat_completions(body: ChatCompletionRequest, state: State,
                 prompt_tokens_details=PromptTokensDetails(cached_tokens=res.cached_tokens)),
             prompt_logprobs=(None if plp is None
                              else prompt_logprobs_by_id(state, ids, res, plp, named)),
-            prompt_token_ids=ids if body.return_token_ids else None)
+            prompt_token_ids=ids if body.return_token_ids else None,
+            kv_transfer_params=res.kv_transfer)
 
     response = await json_answer(logprob_count([res], params), answer)
     state.metrics.count("ok")

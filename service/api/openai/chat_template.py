@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from service.api import json_depth
 from service.api.errors import BadInput
 from service.api.openai.schemas import ChatMessage, ToolCall
-from service.config import clip
 from service.model.tokenizer import TextTokenizer
+from service.text import clip
 
 # Variables render() sets itself; chat_template_kwargs may set any other
 RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",

@@ -21,6 +21,7 @@ from service.api.prompts import (
     check_ids,
     encode_texts,
     named_ids,
+    one_remote_decode,
     run_prompts,
     sampling_params,
     tokenized,
@@ -95,7 +96,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: CompletionUsage
-    kv_transfer_params: dict[str, Any] | None = None  # no KV transfer here (vLLM's answer)
+    kv_transfer_params: dict[str, Any] | None = None  # for the decode (KV_TRANSFER)
 
 
 def check_supported(body: CompletionRequest) -> int:
@@ -192,6 +193,7 @@ async def completions(body: CompletionRequest, state: State,
                              prompt_logprobs=(want_lps and body.echo)
                              or body.prompt_logprobs is not None,
                              logprob_token_ids=named)
+    one_remote_decode(params, prompts)
     results = await run_prompts(state, request, prompts, params)
     n_prompt = sum(r.prompt_tokens for r in results)
     n_gen = max_tokens * len(results)
@@ -203,7 +205,7 @@ async def completions(body: CompletionRequest, state: State,
                    for i, (ids, text, res) in enumerate(zip(prompts, texts, results))]
         return CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name,
-            choices=choices, kv_transfer_params=None,
+            choices=choices, kv_transfer_params=results[0].kv_transfer,
             usage=CompletionUsage(
                 prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen,
                 prompt_tokens_details=PromptTokensDetails(
