@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ class Pooling:
     normalize: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    matryoshka: bool = False  # config.json's is_matryoshka or matryoshka_dimensions (vLLM's gate)
+    matryoshka_dims: tuple[int, ...] | None = None
 
 
 def _json(path: Path) -> dict | list:
@@ -35,8 +38,12 @@ def _json(path: Path) -> dict | list:
 def from_checkpoint(path: Path) -> Pooling:
     """modules.json's Pooling and Normalize modules; none when the checkpoint has no such file."""
     path = Path(path)  # a str where a test or bench hands EngineCore its own LoadedModel
+    raw = _json(path / "config.json") if (path / "config.json").is_file() else {}
+    dims = raw.get("matryoshka_dimensions") or None
+    mrl = dict(matryoshka=bool(dims or raw.get("is_matryoshka")),
+               matryoshka_dims=tuple(dims) if dims else None)
     if not path.is_dir() or not (path / "modules.json").is_file():
-        return Pooling()
+        return Pooling(**mrl)
     modules = {m.get("type"): m.get("path", "") for m in _json(path / "modules.json")}
     mode = ""
     if _POOLING in modules:
@@ -51,7 +58,7 @@ def from_checkpoint(path: Path) -> Pooling:
     st = path / "config_sentence_transformers.json"
     extra = _json(st) if st.is_file() else {}
     return Pooling(mode, _NORMALIZE in modules, dict(extra.get("prompts") or {}),
-                   extra.get("default_prompt_name"))
+                   extra.get("default_prompt_name"), **mrl)
 
 
 def resolve(path: Path, pooling: str | None, normalize: bool | None) -> Pooling:
@@ -59,7 +66,7 @@ def resolve(path: Path, pooling: str | None, normalize: bool | None) -> Pooling:
     ckpt = from_checkpoint(path)
     mode = ckpt.mode if pooling is None else ("" if pooling == "none" else pooling)
     norm = ckpt.normalize if normalize is None else normalize
-    out = Pooling(mode, norm and bool(mode), ckpt.prompts, ckpt.default_prompt_name)
+    out = dataclasses.replace(ckpt, mode=mode, normalize=norm and bool(mode))
     if mode:
         log.info("pooling: %s%s (%s), /v1/embeddings served", mode,
                  ", L2-normalized" if out.normalize else "",

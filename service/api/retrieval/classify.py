@@ -40,17 +40,19 @@ def require_head(state: AppState) -> None:
         raise BadInput(NO_HEAD, "model")
 
 
-def scored_ids(state: AppState, inp: str | list[str], cut: int | None) -> list[list[int]]:
-    """Tokenized as transformers does; trailing pad ids go, as its classifier reads the last
-    token that is not pad."""
-    pad = state.engine.info.pad_id
-    out = []
-    for ids in with_specials(state, inp, cut):
+def last_not_pad(state: AppState, prompts: list[list[int]]) -> list[list[int]]:
+    """Trailing pad ids go, as transformers' classifier reads the last token that is not pad."""
+    pad, out = state.engine.info.pad_id, []
+    for ids in prompts:
         n = len(ids)
         while n > 1 and ids[n - 1] == pad:
             n -= 1
         out.append(ids[:n])
     return out
+
+
+def scored_ids(state: AppState, inp: str | list[str], cut: int | None) -> list[list[int]]:
+    return last_not_pad(state, with_specials(state, inp, cut))
 
 
 def head_scores(results: list[PromptResult], activation: bool) -> np.ndarray:

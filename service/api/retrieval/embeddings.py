@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import functools
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -20,6 +22,7 @@ from service.api.prompts import check_ids, encode_texts, run_prompts, tokenized
 from service.api.schemas import Body, ModelName, Text, TokenIds
 from service.api.state import AppState
 from service.engine.interface import MAX_INT32, PromptResult, SamplingParams
+from service.model.pooling import Pooling, from_checkpoint
 
 router = api_router("retrieval")
 
@@ -44,6 +47,32 @@ class EmbeddingRequest(Body):
         "Default true for input, false for messages (the chat template writes its own)."))
 
 
+@functools.lru_cache(maxsize=4)
+def checkpoint(model_path: str) -> Pooling:
+    return from_checkpoint(Path(model_path))
+
+
+def with_default_prompt(state: AppState, inp: str | list[str]) -> str | list[str]:
+    """The checkpoint's default_prompt_name prompt prepended, as SentenceTransformer.encode does."""
+    ckpt = checkpoint(state.engine.info.model_path)
+    prompt = ckpt.prompts.get(ckpt.default_prompt_name or "", "")
+    if not prompt:
+        return inp
+    return prompt + inp if isinstance(inp, str) else [prompt + t for t in inp]
+
+
+def check_dimensions(state: AppState, dims: int | None) -> None:
+    """vLLM's gate: `dimensions` only where config.json declares Matryoshka embeddings."""
+    ckpt = checkpoint(state.engine.info.model_path)
+    listed = ckpt.matryoshka_dims
+    if dims is None or ckpt.matryoshka and (listed is None or dims in listed):
+        return
+    why = (f"is not one of the model's matryoshka_dimensions {list(listed)}" if ckpt.matryoshka
+           else "needs a Matryoshka model (config.json is_matryoshka or matryoshka_dimensions); "
+           "leave dimensions unset")
+    raise BadInput(f"dimensions={dims} {why}", "dimensions")
+
+
 def input_ids(state: AppState, body: EmbeddingRequest) -> list[list[int]]:
     inp, cut = body.input, body.truncate_prompt_tokens
     if cut == 0:
@@ -54,6 +83,7 @@ def input_ids(state: AppState, body: EmbeddingRequest) -> list[list[int]]:
     if body.messages is not None:
         return chat_ids(state, body)
     if isinstance(inp, str) or inp and isinstance(inp[0], str):
+        inp = with_default_prompt(state, inp)
         specials = body.add_special_tokens is not False
         return with_specials(state, inp, cut) if specials else encode_texts(
             state, [inp] if isinstance(inp, str) else inp, "input", isinstance(inp, str),
@@ -135,6 +165,7 @@ async def embed_prompts(state: AppState, request: Request, prompts: list[list[in
 async def embeddings(body: EmbeddingRequest, state: State, request: Request) -> Response:
     """Each input's pooled final-norm hidden state (POOLING), normalized as the model says."""
     require_pooling(state)
+    check_dimensions(state, body.dimensions)
     prompts = await tokenized(state, request, body.model, input_ids, state, body)
     vecs, tokens = await embed_prompts(state, request, prompts, body.dimensions)
     response = await json_answer(vecs.size, lambda: to_response(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Literal
 
 from fastapi import Request
@@ -13,10 +11,9 @@ from pydantic import Field
 from service.api.deps import State, api_router, json_answer
 from service.api.errors import BadInput
 from service.api.prompts import check_ids, tokenized
-from service.api.retrieval.embeddings import embed_prompts, require_pooling, with_specials
+from service.api.retrieval import embeddings as emb
 from service.api.schemas import Body, Text
 from service.api.state import AppState
-from service.model.pooling import from_checkpoint
 
 router = api_router("retrieval", prefix="")
 
@@ -33,24 +30,21 @@ class EmbedRequest(Body):
                                    "normalize (Matryoshka).")
 
 
-@functools.lru_cache(maxsize=4)
-def checkpoint_prompts(model_path: str) -> dict[str, str]:
-    return from_checkpoint(Path(model_path)).prompts
-
-
 def embed_ids(state: AppState, body: EmbedRequest) -> list[list[int]]:
     single = isinstance(body.inputs, str)
     texts = [body.inputs] if single else body.inputs
     if not texts:
         raise BadInput("inputs is empty", "inputs")
-    if body.prompt_name is not None:
-        prompts = checkpoint_prompts(state.engine.info.model_path)
+    if body.prompt_name is None:
+        texts = emb.with_default_prompt(state, texts)
+    else:
+        prompts = emb.checkpoint(state.engine.info.model_path).prompts
         if body.prompt_name not in prompts:
             raise BadInput(f"prompt_name {body.prompt_name!r} is not one of the model's prompts "
                            f"{sorted(prompts)}", "prompt_name")
         texts = [prompts[body.prompt_name] + t for t in texts]
     if not body.truncate:
-        return with_specials(state, texts[0] if single else texts, None, "inputs")
+        return emb.with_specials(state, texts[0] if single else texts, None, "inputs")
     head, tail = state.tokenizer.special_ends()
     keep = max(state.max_prompt_tokens - len(head) - len(tail), 1)
     left = body.truncation_direction.lower() == "left"
@@ -66,9 +60,9 @@ def embed_ids(state: AppState, body: EmbedRequest) -> list[list[int]]:
 @router.post("/embed")
 async def embed(body: EmbedRequest, state: State, request: Request) -> Response:
     """Each input's pooled vector, normalized unless `normalize` is false (TEI's default: true)."""
-    require_pooling(state)
+    emb.require_pooling(state)
     prompts = await tokenized(state, request, None, embed_ids, state, body)
-    vecs, _ = await embed_prompts(state, request, prompts, body.dimensions, body.normalize)
+    vecs, _ = await emb.embed_prompts(state, request, prompts, body.dimensions, body.normalize)
     response = await json_answer(vecs.size, vecs.tolist)
     state.metrics.count("ok")
     return response
