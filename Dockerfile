@@ -47,12 +47,14 @@ WORKDIR /src
 #   EDITABLE=0           `pip install .`, not `-e .`: the source tree stays in this stage
 #   PART=deps, project   dependencies first (from pyproject.toml alone), the project after the
 #                        source is copied, without dependencies
-#   EXTRAS unset         no test extras in the image
+#   EXTRAS=kv-transfer   NIXL for KV_TRANSFER=nixl (deploy/components/pd-disaggregation); no
+#                        test extras in the image
 COPY pyproject.toml ./
 COPY scripts/install.sh scripts/
 ARG TORCH_SPEC="torch==2.11.0"
 RUN --mount=type=cache,target=/root/.cache/pip \
-    VENV=/opt/venv TORCH_SPEC="${TORCH_SPEC}" EDITABLE=0 PART=deps bash scripts/install.sh
+    VENV=/opt/venv TORCH_SPEC="${TORCH_SPEC}" EDITABLE=0 PART=deps EXTRAS=kv-transfer \
+    bash scripts/install.sh
 
 # README.md: the package's readme (pyproject.toml), read when the project is built.
 COPY README.md ./
