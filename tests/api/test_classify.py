@@ -3,6 +3,7 @@ transformers' AutoModelForSequenceClassification computes, through the engine's 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +20,14 @@ TEXTS = ["What a great day", "Explain gravity", "ends with pad<|endoftext|><|end
          "Gravity is a force that attracts two bodies towards each other. " * 2]
 
 
-@pytest.fixture(scope="module", params=["qwen3_seq_cls", "llama_reward"])
-def served(request):
+@contextlib.contextmanager
+def classifier(name: str, limit: int = 256):
+    """(app, tokenizer, transformers' model) of the committed checkpoint `name`."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = str(DATA / request.param)
+    path = str(DATA / name)
     app = start_app(EngineCore, model_tokenizer(path), model_path=path, device="cpu",
-                    dtype="float32", page_size=4, max_prefill_tokens=16, max_prompt_tokens=256)
+                    dtype="float32", page_size=4, max_prefill_tokens=16, max_prompt_tokens=limit)
     tok = AutoTokenizer.from_pretrained(path)
     ref = AutoModelForSequenceClassification.from_pretrained(path).eval()
     try:
@@ -34,6 +36,12 @@ def served(request):
         assert app.scheduler.kv_used_tokens == 0, "a classification kept its KV pages"
     finally:
         app.close()
+
+
+@pytest.fixture(scope="module", params=["qwen3_seq_cls", "llama_reward"])
+def served(request):
+    with classifier(request.param) as s:
+        yield s
 
 
 def reference(tok, ref, text: str) -> np.ndarray:

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.engine.core import EngineCore
-from service.model.files import model_tokenizer
-from tests.api.conftest import start_app
+from tests.api.test_classify import classifier
 
 DATA = Path(__file__).resolve().parents[1] / "model" / "data"
 TEXTS = ["What a great day", "Explain gravity",
@@ -22,19 +20,8 @@ LIMIT = 128
 
 @pytest.fixture(scope="module")
 def served():
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    path = str(DATA / "llama_seq_cls")
-    app = start_app(EngineCore, model_tokenizer(path), model_path=path, device="cpu",
-                    dtype="float32", page_size=4, max_prefill_tokens=16, max_prompt_tokens=LIMIT)
-    tok = AutoTokenizer.from_pretrained(path)
-    ref = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    try:
-        app.wait_ready()
-        yield app, tok, ref
-        assert app.scheduler.kv_used_tokens == 0, "a classification kept its KV pages"
-    finally:
-        app.close()
+    with classifier("llama_seq_cls", LIMIT) as s:
+        yield s
 
 
 def logits(tok, ref, *texts: str) -> np.ndarray:

@@ -13,23 +13,13 @@ import epp_config
 import pytest
 import yaml
 from deploy_testlib import DEPLOY, OVERLAYS, effective_env, load_yaml_docs, named
-from test_manifests import name_of, validate_doc
+from test_manifests import GATEWAY_KINDS, name_of, validate_doc
 
 from service.config import Settings
 
 PD_CONFIG = DEPLOY / "components" / "pd-disaggregation" / "epp-config.yaml"
 PREFILL, DECODE, POOL = "triton-prefill", "vllm-decode", "triton-prefill"
 ROLE = "llm-d.ai/role"
-# What inference-gateway adds (test_manifests.py).
-GATEWAY_KINDS = (
-    "InferencePool",
-    "ConfigMap",
-    "Deployment",
-    "Service",
-    "ServiceAccount",
-    "Role",
-    "RoleBinding",
-)
 # Aliases v0.10.0 still registers but deprecates in favour of disagg-profile-handler.
 DEPRECATED = {"pd-profile-handler", "prefill-header-handler", "disagg-headers-handler"}
 
