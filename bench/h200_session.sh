@@ -50,6 +50,9 @@ step score "${T_SCORE:-420}" env OUT="$R" python3 bench/score.py ${SCORE_ARGS:-}
 step score_http "${T_SCORE_HTTP:-420}" env OUT="$R" python3 bench/score.py --http \
   --env MODEL_PATH="$PWD/.gpu_assets/smollm2" --workloads "${SCORE_HTTP_WL:-1024:64:20,4096:64:20,1024:256:20}"
 step bound "${T_BOUND:-300}" env OUT="$R" python3 bench/bound.py ${BOUND_ARGS:-}
+# retrieval (#50): embeddings vs /v1/prefill, rerank QPS sweeps; presets take SmolLM2's tokenizer
+step retrieval "${T_RET:-400}" env OUT="$R" python3 bench/retrieval.py \
+  --env MODEL_PATH="$PWD/.gpu_assets/smollm2" ${RET_ARGS:-}
 step dp "${T_DP:-240}" env OUT="$R" python3 -m bench.dp --models "${DP_MODELS:-llama-3.2-1b,llama-3.1-8b}"
 step kernel_tests "${T_KT:-120}" python3 -m pytest -v -m gpu -p no:cacheprovider \
   tests/kernels/test_kernels_gpu.py \

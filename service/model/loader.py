@@ -139,5 +139,7 @@ def load(path: str | None, preset_name: str | None, device: torch.device,
     t0 = time.perf_counter()
     where = Path(path) if path else default_model_path()
     cfg = preset(preset_name)
-    model = random_model(cfg, device, dtype)
-    return LoadedModel(model, tokenizer_of(where), cfg, where, time.perf_counter() - t0)
+    model, tokenizer = random_model(cfg, device, dtype), tokenizer_of(where)
+    if head := score_head(score, {}, {}, model.head_weight, tokenizer, str(where)):
+        model.score_head = dataclasses.replace(head, weight=head.weight.to(device))
+    return LoadedModel(model, tokenizer, cfg, where, time.perf_counter() - t0)
