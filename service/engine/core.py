@@ -29,6 +29,7 @@ from service.engine.pages import pages_for
 from service.engine.placement import prepared
 from service.engine.runners.capture import capture, eager_peak, settle
 from service.engine.sampling import LastRow, named_rows, summarize, unpack
+from service.kv_transfer.export import export_bytes
 from service.model.heads import head_info
 from service.model.loader import LoadedModel, load
 from service.model.pooling import resolve
@@ -156,7 +157,11 @@ class EngineCore:
         """The KV budget from free memory before loading, before and after capture."""
         cfg = self.cfg
         settle(self.device)
-        return size_kv(self.model_cfg, self.dtype, self.device, self.graphs, (*free, reader()),
+        # KV_TRANSFER's export region is allocated after the pool: its bytes come out of the KV's
+        held = export_bytes(self.model_cfg, cfg.kv_transfer_tokens, cfg.page_size,
+                            self.dtype.itemsize) if cfg.kv_transfer != "none" else 0
+        return size_kv(self.model_cfg, self.dtype, self.device, self.graphs,
+                       (*free, reader() - held),
                        self.weights_bytes, peak, capture_s, cfg.mem_fraction_static,
                        cfg.page_size, cfg.max_prefill_tokens)
 

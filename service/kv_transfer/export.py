@@ -9,7 +9,16 @@ import torch
 from service.engine.host_copy import to_device
 from service.engine.interface import KVPoolExhausted
 from service.engine.kv_pool import PageAllocator
+from service.engine.pages import pages_for
 from service.model.config import ModelConfig
+
+
+def export_pages(tokens: int, page_size: int) -> int:
+    return pages_for(tokens, page_size) + 1  # page 0 is never handed out
+
+
+def export_bytes(cfg: ModelConfig, tokens: int, page_size: int, dtype_bytes: int) -> int:
+    return export_pages(tokens, page_size) * page_size * cfg.kv_bytes_per_token(dtype_bytes)
 
 
 class ExportRegion:

@@ -19,7 +19,7 @@ from service.engine.interface import KVPoolExhausted, PromptResult
 from service.engine.pages import pages_for
 from service.kv_transfer import wire
 from service.kv_transfer.agent import NixlAgent
-from service.kv_transfer.export import ExportRegion
+from service.kv_transfer.export import ExportRegion, export_pages
 from service.kv_transfer.side_channel import SideChannel, SideChannelError
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class NixlProducer(FinishHook):
     def start(self, engine: EngineCore) -> None:
         pool, mcfg, cfg = engine.pool, engine.model_cfg, self.cfg
         self._pool = pool
-        self.region = ExportRegion(mcfg, pages_for(cfg.kv_transfer_tokens, pool.page_size) + 1,
+        self.region = ExportRegion(mcfg, export_pages(cfg.kv_transfer_tokens, pool.page_size),
                                    pool.page_size, pool.data.dtype, pool.data.device)
         dev = pool.data.device
         self.agent = NixlAgent(self.engine_id, self.region,

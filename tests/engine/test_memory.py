@@ -126,3 +126,16 @@ def test_kv_pool_nbytes_formula():
     cfg = tiny_cfg()
     pool = KVPool(cfg, 100, PAGE, torch.float32, "cpu")
     assert pool.nbytes == pool_bytes(cfg, 100, PAGE, 4)
+
+
+def test_kv_transfers_export_region_comes_out_of_the_kv_budget():
+    """The export region is allocated after the pool; sized first, it leaves the reserve whole."""
+    from service.kv_transfer.export import export_bytes
+
+    def pool(**kw):
+        return EngineCore(engine_cfg(mem_fraction_static=0.8, **kw), loaded=tiny_loaded(),
+                          memory_reader=scripted(100 * MIB, 90 * MIB, 87 * MIB)).pool
+    held = export_bytes(tiny_cfg(), 8192, PAGE, 4)
+    plain, shared = pool(), pool(kv_transfer="nixl", kv_transfer_tokens=8192)
+    assert held == (8192 // PAGE + 1) * PAGE * 256  # 256 B: a token's K and V, every layer
+    assert plain.nbytes - shared.nbytes == pytest.approx(held, abs=2 * PAGE * 256)
