@@ -57,6 +57,9 @@ def test_required_panels(dashboard) -> None:
         "prefill_queue_limit_requests",
         "sum by (mode) (rate(prefill_forwards_total",
         "sum by (status) (rate(prefill_requests_total",
+        "sum by (task) (rate(prefill_task_requests_total",
+        "rate(prefill_kv_transfer_notified_requests_total",
+        "prefill_kv_transfer_leased_pages",
     ):
         assert needle in exprs, f"no panel queries {needle}"
 
