@@ -73,6 +73,8 @@ class Settings(BaseSettings):
         "states; set on a causal LM it embeds as vLLM's `--convert embed` does."))
     normalize: bool | None = Field(None, **_shown("the checkpoint's Normalize module"),
                                    description="L2-normalize embeddings.")
+    matryoshka: bool | None = Field(None, **_shown("config.json's `is_matryoshka`"), description=(
+        "`dimensions` accepted (vLLM's `hf_overrides` `is_matryoshka`, as Qwen3-Embedding needs)."))
     score_head: Literal["auto", "yes-no", "none"] = Field("auto", description=(
         "Rerank and /classify: `auto` a classifier's `score`; `yes-no` P(yes) (Qwen3-Reranker)."))
     kv_cache_bytes: int | None = Field(None, ge=1 << 20,
@@ -246,6 +248,7 @@ class EngineConfig:
     prefix_cache: bool
     pooling: str | None
     normalize: bool | None
+    matryoshka: bool | None
     score_head: str
     kv_cache_bytes: int | None
     cuda_graph_max_tokens: int

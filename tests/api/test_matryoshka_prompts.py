@@ -85,17 +85,28 @@ def test_dimensions_only_where_the_model_declares_them(served) -> None:
         assert err["param"] == "dimensions" and "matryoshka_dimensions" in err["message"]
 
 
-def test_dimensions_refused_without_matryoshka() -> None:
+@pytest.mark.parametrize("matryoshka", [None, True])
+def test_dimensions_refused_without_matryoshka_unless_the_setting_says(matryoshka) -> None:
+    """Qwen3-Embedding declares nothing: MATRYOSHKA=true is vLLM's hf_overrides is_matryoshka."""
+    from sentence_transformers import SentenceTransformer
+
     path = str(DATA / "qwen3_embedding")
+    env = {} if matryoshka is None else {"matryoshka": matryoshka}
     app = start_app(EngineCore, model_tokenizer(path), model_path=path, device="cpu",
-                    dtype="float32", page_size=4, max_prompt_tokens=64)
+                    dtype="float32", page_size=4, max_prompt_tokens=64, **env)
     try:
         app.wait_ready()
         for route in ("/v1/embeddings", "/pooling"):
-            r = app.post(route, json={"input": "x", "dimensions": 32})
+            r = app.post(route, json={"input": TEXTS, "dimensions": 32})
+            if matryoshka:
+                want = SentenceTransformer(path, device="cpu").encode(
+                    TEXTS, truncate_dim=32, normalize_embeddings=True)
+                key = "embedding" if route == "/v1/embeddings" else "data"
+                same([d[key] for d in r.json()["data"]], want)
+                continue
             assert r.status_code == 400, r.text
             err = r.json()["error"]
-            assert err["param"] == "dimensions" and "is_matryoshka" in err["message"]
+            assert err["param"] == "dimensions" and "MATRYOSHKA=true" in err["message"]
         assert len(post(app, "/embed", inputs="x", dimensions=32)[0]) == 32  # TEI: no gate
     finally:
         app.close()

@@ -62,14 +62,16 @@ def with_default_prompt(state: AppState, inp: str | list[str]) -> str | list[str
 
 
 def check_dimensions(state: AppState, dims: int | None) -> None:
-    """vLLM's gate: `dimensions` only where config.json declares Matryoshka embeddings."""
+    """vLLM's gate: `dimensions` only where config.json (or MATRYOSHKA) declares Matryoshka."""
     ckpt = checkpoint(state.engine.info.model_path)
-    listed = ckpt.matryoshka_dims
-    if dims is None or ckpt.matryoshka and (listed is None or dims in listed):
+    listed, mrl = ckpt.matryoshka_dims, state.engine_cfg.matryoshka
+    if mrl is None:
+        mrl = ckpt.matryoshka
+    if dims is None or mrl and (listed is None or dims in listed):
         return
-    why = (f"is not one of the model's matryoshka_dimensions {list(listed)}" if ckpt.matryoshka
-           else "needs a Matryoshka model (config.json is_matryoshka or matryoshka_dimensions); "
-           "leave dimensions unset")
+    why = (f"is not one of the model's matryoshka_dimensions {list(listed)}" if mrl
+           else "needs a Matryoshka model (config.json is_matryoshka or matryoshka_dimensions, "
+           "or MATRYOSHKA=true); leave dimensions unset")
     raise BadInput(f"dimensions={dims} {why}", "dimensions")
 
 
