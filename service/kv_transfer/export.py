@@ -21,6 +21,18 @@ def export_bytes(cfg: ModelConfig, tokens: int, page_size: int, dtype_bytes: int
     return export_pages(tokens, page_size) * page_size * cfg.kv_bytes_per_token(dtype_bytes)
 
 
+class OldestFirst(PageAllocator):
+    """Hands out the pages freed longest ago: a decode that reads an expired offer late (as from
+    vLLM's own prefill, nothing stops it) most likely still finds that offer's KV."""
+
+    def free(self, pages: list[int]) -> None:
+        super().free(pages)  # appended where alloc takes from: move them to the other end
+        if pages:
+            n = len(pages)
+            self._free[:0] = self._free[-n:]
+            del self._free[-n:]
+
+
 class ExportRegion:
     """`data` (layers, pages, kv_heads, page_size, 2*head_dim): one NIXL region per layer; the
     pool's separate token-major K and V planes are not a layout the decode reads."""
@@ -30,7 +42,7 @@ class ExportRegion:
         self.page_size = page_size
         self.data = torch.zeros((cfg.num_layers, pages, cfg.num_kv_heads, page_size,
                                  2 * cfg.head_dim), dtype=dtype, device=device)
-        self.allocator = PageAllocator(pages)
+        self.allocator = OldestFirst(pages)
 
     @property
     def num_blocks(self) -> int:

@@ -79,3 +79,17 @@ def test_region_facts_address_each_page():
             start = (base + e * region.block_len - base0) // 4
             page = flat[start:start + region.block_len // 4]
             assert torch.equal(page, region.data[layer, e].reshape(-1))
+
+
+def test_freed_export_pages_are_reused_last():
+    """An expired offer's pages wait behind every other free page before they are staged over."""
+    from service.kv_transfer.export import OldestFirst
+
+    alloc = OldestFirst(9)
+    a, b = alloc.alloc(3), alloc.alloc(3)
+    alloc.free(a)
+    assert set(alloc.alloc(2)).isdisjoint(a)  # the 2 never-used pages come first
+    assert sorted(alloc.alloc(3)) == sorted(a)  # then the oldest freed
+    alloc.free(b)
+    with pytest.raises(AssertionError):
+        alloc.free(b)  # double frees are still caught

@@ -21,7 +21,10 @@ from procs import Server, metric  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COLD, DECODE, DECODE_SIDE, OURS, OURS_ADMIN, OURS_SIDE, VPRE, VPRE_SIDE = range(18660, 18668)
-SERVED, MAX_TOKENS, LEASE_S = "smollm2", 32, 10.0
+# vLLM's default lease: on a busy machine a decode may start its pull more than 10 s after our
+# answer, and an expired offer's pages are reused (the decode then reads another prompt's KV, as
+# from an expired vLLM prefill)
+SERVED, MAX_TOKENS, LEASE_S = "smollm2", 32, 30.0
 THREADS = "1"  # two servers share the cores: a spinning OpenMP barrier stalls on a busy machine
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 FAILED = "vllm:nixl_num_failed_transfers_total"
