@@ -46,6 +46,7 @@ class NixlProducer(FinishHook):
         self._thread: threading.Thread | None = None
         self.side: SideChannel | None = None
         self.agent: NixlAgent | None = None
+        self.leases: Leases | None = None  # on the export region's pages, from start()
 
     def start(self, engine: EngineCore) -> None:
         pool, mcfg, cfg = engine.pool, engine.model_cfg, self.cfg
@@ -53,8 +54,8 @@ class NixlProducer(FinishHook):
         self.region = ExportRegion(mcfg, export_pages(cfg.kv_transfer_tokens, pool.page_size),
                                    pool.page_size, pool.data.dtype, pool.data.device)
         dev = pool.data.device
-        self.agent = NixlAgent(self.engine_id, self.region,
-                               "VRAM" if dev.type == "cuda" else "DRAM", dev.index or 0)
+        mem, device_id = ("VRAM" if dev.type == "cuda" else "DRAM"), dev.index or 0
+        self.agent = NixlAgent(self.engine_id, self.region, mem, device_id)
         factors = wire.HashFactors(
             model=cfg.kv_transfer_decode_model, dtype=str(pool.data.dtype),
             num_kv_heads=mcfg.num_kv_heads, head_size=mcfg.head_dim,
@@ -63,9 +64,9 @@ class NixlProducer(FinishHook):
         self.hash = wire.compatibility_hash(factors)
         payload = wire.handshake_payload(self.hash, wire.agent_metadata(
             engine_id=self.engine_id, nixl_metadata=self.agent.metadata(),
-            base_addrs=self.region.base_addrs, device_id=dev.index or 0,
+            base_addrs=self.region.base_addrs, device_id=device_id,
             num_blocks=self.region.num_blocks, block_len=self.region.block_len,
-            block_size=pool.page_size, mem_type="VRAM" if dev.type == "cuda" else "DRAM"))
+            block_size=pool.page_size, mem_type=mem))
         self.leases = Leases(lambda pages: None, self.region.free)
         self.side = SideChannel(cfg.kv_transfer_host, cfg.kv_transfer_port, lambda: payload)
         try:
@@ -157,7 +158,7 @@ class NixlProducer(FinishHook):
                         len(late), self.cfg.kv_lease_s, late[0], self.hash)
 
     def stats(self) -> dict[str, int]:
-        leases = getattr(self, "leases", None)
+        leases = self.leases
         if leases is None:
             return {}
         return {**self.counts, "leased_pages": leases.pages, "leased_tokens": leases.tokens,
@@ -171,7 +172,7 @@ class NixlProducer(FinishHook):
         if self.side is not None:
             self.side.close()
         with self._lock:
-            if getattr(self, "leases", None) is not None:
+            if self.leases is not None:
                 self.leases.drop_all()
                 self._offers.clear()
         if self.agent is not None:
