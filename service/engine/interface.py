@@ -181,6 +181,7 @@ class EngineInfo:
     head: str = ""  # the score head (SCORE_HEAD): classify | yes-no; "" when none
     labels: tuple[str, ...] = ()  # id2label order
     pad_id: int | None = None  # the score head reads the last token that is not this one
+    activation: str = ""  # the score head's: classify | sigmoid | identity (model/heads.py)
 
 
 @dataclass(frozen=True)

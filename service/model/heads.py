@@ -12,6 +12,9 @@ from service.model.errors import ModelLoadError
 from service.model.tokenizer import TextTokenizer
 
 CLASSIFIER = "ForSequenceClassification"
+# config.json's problem_type -> the activation vLLM applies (transformers' loss for that type);
+# otherwise "classify": softmax over 2+ labels, sigmoid of one
+ACTIVATIONS = {"regression": "identity", "multi_label_classification": "sigmoid"}
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class ScoreHead:
     weight: torch.Tensor  # (labels, hidden) fp32
     labels: tuple[str, ...]
     pad_id: int | None = None  # transformers scores the last token that is not this one
+    activation: str = "classify"  # classify | sigmoid | identity (ACTIVATIONS)
 
 
 def is_classifier(raw: Mapping[str, Any]) -> bool:
@@ -52,8 +56,10 @@ def score_head(mode: str, raw: Mapping[str, Any], tensors: Mapping[str, torch.Te
     names = {str(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
     pad = raw.get("pad_token_id")
     labels = tuple(names.get(str(i), f"LABEL_{i}") for i in range(w.shape[0]))
-    return ScoreHead("classify", w, labels, pad if isinstance(pad, int) else None)
+    return ScoreHead("classify", w, labels, pad if isinstance(pad, int) else None,
+                     ACTIVATIONS.get(raw.get("problem_type"), "classify"))
 
 
 def head_info(head: ScoreHead | None) -> dict[str, Any]:
-    return {} if head is None else dict(head=head.kind, labels=head.labels, pad_id=head.pad_id)
+    return {} if head is None else dict(head=head.kind, labels=head.labels, pad_id=head.pad_id,
+                                        activation=head.activation)

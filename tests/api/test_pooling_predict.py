@@ -98,3 +98,23 @@ def test_predict_shapes_as_tei(served) -> None:
     for body in ({"inputs": []}, {"inputs": [["a", "b", "c"]]}):
         r = app.post("/predict", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "inputs", r.text
+
+
+@pytest.mark.parametrize("problem_type, act", [
+    ("multi_label_classification", torch.sigmoid), ("regression", lambda x: x)])
+def test_config_problem_type_picks_the_activation_as_vllm(tmp_path, problem_type, act) -> None:
+    """transformers' loss for the type: sigmoid per label (multi-label), none (regression)."""
+    import json
+    import shutil
+
+    path = tmp_path / "llama_seq_cls"
+    shutil.copytree(DATA / "llama_seq_cls", path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "problem_type": problem_type}))
+    with classifier(str(path), LIMIT) as (app, tok, ref):
+        want = act(torch.from_numpy(np.stack([logits(tok, ref, t) for t in TEXTS]))).numpy()
+        for route, key in (("/classify", "probs"), ("/pooling", "data")):
+            got = np.array([d[key] for d in post(app, route, input=TEXTS)["data"]])
+            assert np.abs(got - want).max() <= 1e-4, route
+        top = post(app, "/predict", inputs=TEXTS[0])
+        assert top[0]["score"] == pytest.approx(float(want[0].max()), abs=1e-4)

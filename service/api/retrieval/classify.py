@@ -55,12 +55,13 @@ def scored_ids(state: AppState, inp: str | list[str], cut: int | None) -> list[l
     return last_not_pad(state, with_specials(state, inp, cut))
 
 
-def head_scores(results: list[PromptResult], activation: bool) -> np.ndarray:
-    """(n, labels) float64: raw logits, or their softmax (2+ labels) / sigmoid (1 label)."""
+def head_scores(state: AppState, results: list[PromptResult], activation: bool) -> np.ndarray:
+    """(n, labels) float64: raw logits, or the head's activation (vLLM's for its problem_type)."""
     raw = np.stack([np.frombuffer(r.scores, dtype="<f4") for r in results]).astype(np.float64)
-    if not activation:
+    kind = state.engine.info.activation
+    if not activation or kind == "identity":
         return raw
-    if raw.shape[1] == 1:
+    if raw.shape[1] == 1 or kind == "sigmoid":
         return 1.0 / (1.0 + np.exp(-raw))
     e = np.exp(raw - raw.max(axis=1, keepdims=True))
     return e / e.sum(axis=1, keepdims=True)
@@ -77,7 +78,8 @@ async def classify(body: ClassifyRequest, state: State, request: Request) -> Res
     prompts = await tokenized(state, request, body.model, scored_ids, state, body.input,
                               body.truncate_prompt_tokens)
     results = await run_prompts(state, request, prompts, SamplingParams(head=True))
-    probs, labels = head_scores(results, body.use_activation is not False), state.engine.info.labels
+    probs = head_scores(state, results, body.use_activation is not False)
+    labels = state.engine.info.labels
     tokens = sum(r.prompt_tokens for r in results)
     data = [{"index": i, "label": labels[int(np.argmax(p))], "probs": p.tolist(),
              "num_classes": len(p)} for i, p in enumerate(probs)]

@@ -53,7 +53,7 @@ async def classified(state: AppState, request: Request, prompts: list[list[int]]
                                 SamplingParams(head=True))
     tokens = sum(r.prompt_tokens for r in results)
     state.metrics.on_task("classify", len(results), tokens)
-    return head_scores(results, activation).astype("<f4"), tokens
+    return head_scores(state, results, activation).astype("<f4"), tokens
 
 
 @router.post("/pooling")

@@ -109,7 +109,7 @@ async def scores(state: AppState, request: Request, body: RerankRequest, docs: l
     tokens = sum(r.prompt_tokens for r in results)
     state.metrics.on_task(task, len(results), tokens)
     activation = body.use_activation is not False and not body.raw_scores
-    return head_scores(results, activation)[:, 0].tolist(), tokens
+    return head_scores(state, results, activation)[:, 0].tolist(), tokens
 
 
 def ranked(vals: list[float], top_n: int | None) -> list[int]:
