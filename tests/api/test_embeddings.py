@@ -4,6 +4,7 @@ sentence-transformers computes, through httpx and through the openai client."""
 from __future__ import annotations
 
 import base64
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -20,20 +21,26 @@ TEXTS = ["What is the capital of China?", "Explain gravity",
 LIMIT = 256  # MAX_PROMPT_TOKENS; MAX_PREFILL_TOKENS=16 prefills the long text in chunks
 
 
-@pytest.fixture(scope="module", params=["qwen3_embedding", "llama_mean_embedding"])
-def served(request):
+@contextlib.contextmanager
+def embedder(path: str, limit: int = LIMIT, **env):
+    """(app, the SentenceTransformer) of the checkpoint at `path`, served on the CPU in fp32."""
     from sentence_transformers import SentenceTransformer
 
-    path = str(DATA / request.param)
     app = start_app(EngineCore, model_tokenizer(path), model_path=path, device="cpu",
-                    dtype="float32", page_size=4, max_prefill_tokens=16,
-                    max_prompt_tokens=LIMIT)
+                    dtype="float32", page_size=4, max_prefill_tokens=16, max_prompt_tokens=limit,
+                    **env)
     try:
         app.wait_ready()
         yield app, SentenceTransformer(path, device="cpu")
         assert app.scheduler.kv_used_tokens == 0, "an embedding kept its KV pages"
     finally:
         app.close()
+
+
+@pytest.fixture(scope="module", params=["qwen3_embedding", "llama_mean_embedding"])
+def served(request):
+    with embedder(str(DATA / request.param)) as s:
+        yield s
 
 
 def embed(app, **body) -> dict:

@@ -10,10 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.engine.core import EngineCore
-from service.model.files import model_tokenizer
 from service.model.pooling import from_checkpoint
-from tests.api.conftest import start_app
+from tests.api.test_embeddings import embedder
 
 DATA = Path(__file__).resolve().parents[1] / "model" / "data"
 TEXTS = ["What is the capital of China?", "Explain gravity"]
@@ -27,19 +25,12 @@ def edit(path: Path, **updates) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Qwen3-Embedding-style, with matryoshka_dimensions and default_prompt_name "query" added."""
-    from sentence_transformers import SentenceTransformer
-
     path = tmp_path_factory.mktemp("mrl") / "qwen3_embedding"
     shutil.copytree(DATA / "qwen3_embedding", path)
     edit(path / "config.json", matryoshka_dimensions=DIMS)
     edit(path / "config_sentence_transformers.json", default_prompt_name="query")
-    app = start_app(EngineCore, model_tokenizer(str(path)), model_path=str(path), device="cpu",
-                    dtype="float32", page_size=4, max_prompt_tokens=128)
-    try:
-        app.wait_ready()
-        yield app, SentenceTransformer(str(path), device="cpu")
-    finally:
-        app.close()
+    with embedder(str(path), 128) as served:
+        yield served
 
 
 def post(app, path: str, **body):
@@ -88,19 +79,13 @@ def test_dimensions_only_where_the_model_declares_them(served) -> None:
 @pytest.mark.parametrize("matryoshka", [None, True])
 def test_dimensions_refused_without_matryoshka_unless_the_setting_says(matryoshka) -> None:
     """Qwen3-Embedding declares nothing: MATRYOSHKA=true is vLLM's hf_overrides is_matryoshka."""
-    from sentence_transformers import SentenceTransformer
-
     path = str(DATA / "qwen3_embedding")
     env = {} if matryoshka is None else {"matryoshka": matryoshka}
-    app = start_app(EngineCore, model_tokenizer(path), model_path=path, device="cpu",
-                    dtype="float32", page_size=4, max_prompt_tokens=64, **env)
-    try:
-        app.wait_ready()
+    with embedder(path, 64, **env) as (app, st):
         for route in ("/v1/embeddings", "/pooling"):
             r = app.post(route, json={"input": TEXTS, "dimensions": 32})
             if matryoshka:
-                want = SentenceTransformer(path, device="cpu").encode(
-                    TEXTS, truncate_dim=32, normalize_embeddings=True)
+                want = st.encode(TEXTS, truncate_dim=32, normalize_embeddings=True)
                 key = "embedding" if route == "/v1/embeddings" else "data"
                 same([d[key] for d in r.json()["data"]], want)
                 continue
@@ -108,5 +93,3 @@ def test_dimensions_refused_without_matryoshka_unless_the_setting_says(matryoshk
             err = r.json()["error"]
             assert err["param"] == "dimensions" and "MATRYOSHKA=true" in err["message"]
         assert len(post(app, "/embed", inputs="x", dimensions=32)[0]) == 32  # TEI: no gate
-    finally:
-        app.close()

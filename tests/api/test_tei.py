@@ -10,10 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.engine.core import EngineCore
-from service.model.files import model_tokenizer
-from tests.api.conftest import start_app, wait_for
-from tests.api.test_embeddings import TEXTS, same
+from tests.api.conftest import wait_for
+from tests.api.test_embeddings import TEXTS, embedder, same
 
 DATA = Path(__file__).resolve().parents[1] / "model" / "data"
 LIMIT = 256
@@ -21,16 +19,8 @@ LIMIT = 256
 
 @pytest.fixture(scope="module")
 def served():
-    from sentence_transformers import SentenceTransformer
-
-    path = str(DATA / "qwen3_embedding")
-    app = start_app(EngineCore, model_tokenizer(path), model_path=path, device="cpu",
-                    dtype="float32", page_size=4, max_prefill_tokens=16, max_prompt_tokens=LIMIT)
-    try:
-        app.wait_ready()
-        yield app, SentenceTransformer(path, device="cpu")
-    finally:
-        app.close()
+    with embedder(str(DATA / "qwen3_embedding"), LIMIT) as s:
+        yield s
 
 
 def embed(app, **body) -> list:

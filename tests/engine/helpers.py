@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 
 from service.config import EngineConfig
@@ -133,3 +134,16 @@ def runners_on(device: str, seed: int) -> tuple:
         page, tol = 16, 3e-2
     runners = Runners(model, (8, 16, 32, 64), full_max=32, seqs=3, pages=40, page=page)
     return model, runners, KVPool(model.cfg, 4096, page, model.dtype, model.device), tol
+
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def runners_setup(seed: int):
+    """A module fixture over the CPU and CUDA: runners_on(device, seed), closed afterwards."""
+    @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=GPU)])
+    def setup(request):
+        model, runners, pool, tol = runners_on(request.param, seed=seed)
+        yield model, runners, pool, tol
+        runners.close()
+    return setup

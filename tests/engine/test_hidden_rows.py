@@ -10,17 +10,9 @@ import pytest
 import torch
 
 from service.engine.batch import build_batch
-from tests.engine.helpers import chunk, prompts, runners_on
+from tests.engine.helpers import chunk, prompts, runners_setup
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])
-
-
-@pytest.fixture(scope="module", params=["cpu", CUDA])
-def setup(request):
-    model, runners, pool, tol = runners_on(request.param, seed=9)
-    yield model, runners, pool, tol
-    runners.close()
+setup = runners_setup(seed=9)
 
 
 def reference(model, chunks, pool) -> torch.Tensor:

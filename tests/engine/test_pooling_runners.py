@@ -13,9 +13,7 @@ from service.engine.kv_pool import KVPool
 from service.engine.runners import pooled_rows
 from service.model.families import preset
 from service.model.loader import LoadedModel, random_model
-from tests.engine.helpers import chunk, engine_cfg, prompts, runners_on, tiny_model
-
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+from tests.engine.helpers import chunk, engine_cfg, prompts, runners_setup, tiny_model
 
 
 def loop_pooled(hidden: torch.Tensor, chunks) -> torch.Tensor:
@@ -53,11 +51,7 @@ def test_vectorised_reduction_equals_the_loop(lengths, pools, pad, extra) -> Non
     assert got.dtype == torch.float32
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=GPU)])
-def setup(request):
-    model, runners, pool, tol = runners_on(request.param, seed=5)
-    yield model, runners, pool, tol
-    runners.close()
+setup = runners_setup(seed=5)
 
 
 def reference(model, chunks, pool) -> torch.Tensor:
